@@ -1,0 +1,1 @@
+"""The ``rallypoint`` command line, built from the installed plugins."""

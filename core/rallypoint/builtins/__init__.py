@@ -1,0 +1,1 @@
+"""The plugins that ship with rallypoint, registered like installed ones."""

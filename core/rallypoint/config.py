@@ -1,0 +1,371 @@
+"""The launch configuration: torchrun's settings, parsed and checked once.
+
+The CLI hands the raw flag values to ``LaunchConfig.from_flags``, which checks every one
+against the installed plugins and returns a fully typed ``LaunchConfig``, or raises a
+``UsageError`` whose message is one sentence naming the flag and the fix. Nothing after this
+point has to validate user input again.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rallypoint.errors import UsageError
+from rallypoint.extensions import ConfigOption
+from rallypoint.registry import (
+    METRICS_SINKS,
+    RANK_ASSIGNERS,
+    RENDEZVOUS_BACKENDS,
+    RESTART_POLICIES,
+    Registry,
+)
+
+#: torchrun's defaults, kept so that a torchrun command line means the same here.
+DEFAULT_MASTER_PORT = 29500
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+DEFAULT_EXIT_BARRIER_TIMEOUT = 300.0
+STANDALONE_ENDPOINT = "localhost:0"
+
+_STD_VALUES = {0: "none", 1: "stdout", 2: "stderr", 3: "both"}
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything ``rallypoint run`` was asked to do, validated.
+
+    Field names follow torchrun's flags (``--nproc-per-node`` is ``nproc_per_node``).
+    ``redirects`` and ``tee`` map a local rank to 0 (none), 1 (stdout), 2 (stderr) or
+    3 (both); the key ``-1`` applies to every rank not listed.
+    """
+
+    training_script: str
+    training_script_args: tuple[str, ...] = ()
+    min_nodes: int = 1
+    max_nodes: int = 1
+    nproc_per_node: int = 1
+    rdzv_backend: str = "static"
+    rdzv_endpoint: str = ""
+    rdzv_id: str = "none"
+    rdzv_conf: Mapping[str, Any] = field(default_factory=dict)
+    standalone: bool = False
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    start_method: str = "spawn"
+    role: str = "default"
+    module: bool = False
+    no_python: bool = False
+    run_path: bool = False
+    log_dir: str | None = None
+    redirects: Mapping[int, int] = field(default_factory=dict)
+    tee: Mapping[int, int] = field(default_factory=dict)
+    local_ranks_filter: frozenset[int] | None = None
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    local_addr: str | None = None
+    signals_to_handle: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    exit_barrier_timeout: float = DEFAULT_EXIT_BARRIER_TIMEOUT
+    restart_policy: str = "max-restarts"
+    restart_conf: Mapping[str, Any] = field(default_factory=dict)
+    rank_assigner: str = "ordered"
+    node_labels: Mapping[str, str] = field(default_factory=dict)
+    metrics: tuple[str, ...] = ()
+    metrics_conf: Mapping[str, Any] = field(default_factory=dict)
+    checkpoint_dir: str | None = None
+    event_log: str | None = None
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the job may run on fewer nodes than its maximum (``--nnodes MIN:MAX``)."""
+        return self.min_nodes != self.max_nodes
+
+    @classmethod
+    def from_flags(cls, registry: Registry, **flags: Any) -> LaunchConfig:
+        """Parse and check the raw flag values of ``rallypoint run``.
+
+        ``flags`` are named like the fields; text-valued flags (``nnodes``,
+        ``nproc_per_node``, ``rdzv_conf``, ``redirects``...) arrive as the user typed them.
+
+        Raises:
+            UsageError: one sentence naming the flag, the bad value and what is expected.
+        """
+        values = dict(flags)
+        _parse_numbers(values)
+        min_nodes, max_nodes = parse_nnodes(str(values.pop("nnodes", "1:1")))
+        values["min_nodes"], values["max_nodes"] = min_nodes, max_nodes
+        values["nproc_per_node"] = parse_nproc_per_node(str(values.get("nproc_per_node", "1")))
+
+        if values.get("standalone"):
+            # As in torchrun: a local c10d store on a free port and a fresh run id.
+            values["rdzv_backend"] = "c10d"
+            values["rdzv_endpoint"] = STANDALONE_ENDPOINT
+            values["rdzv_id"] = str(uuid.uuid4())
+        backend = registry.get(RENDEZVOUS_BACKENDS, values.get("rdzv_backend", "static"))
+        values["rdzv_backend"] = backend.name
+        if backend.endpoint_required and not values.get("rdzv_endpoint"):
+            raise UsageError(
+                f"--rdzv-endpoint is required with --rdzv-backend {backend.name} "
+                "(give host:port of the rendezvous service)."
+            )
+        values["rdzv_conf"] = parse_options(
+            values.get("rdzv_conf") or "",
+            backend.options,
+            "--rdzv-conf",
+            f"the {backend.name} backend",
+        )
+        if backend.name == "static":
+            _check_static(min_nodes, max_nodes, values.get("node_rank", 0))
+
+        policy = registry.get(RESTART_POLICIES, values.get("restart_policy", "max-restarts"))
+        values["restart_policy"] = policy.name
+        values["restart_conf"] = parse_options(
+            values.get("restart_conf") or "",
+            policy.options,
+            "--restart-conf",
+            f"the {policy.name} policy",
+        )
+        values["rank_assigner"] = registry.get(
+            RANK_ASSIGNERS, values.get("rank_assigner", "ordered")
+        ).name
+
+        sinks = [
+            registry.get(METRICS_SINKS, name) for name in split_list(values.get("metrics") or "")
+        ]
+        values["metrics"] = tuple(dict.fromkeys(sink.name for sink in sinks))
+        sink_options = {option.name: option for sink in sinks for option in sink.options}
+        values["metrics_conf"] = parse_options(
+            values.get("metrics_conf") or "",
+            tuple(sink_options.values()),
+            "--metrics-conf",
+            "the chosen --metrics sinks",
+        )
+
+        if values.get("checkpoint_dir"):
+            registry.checkpoint_store_for(values["checkpoint_dir"])
+        values["node_labels"] = parse_labels(values.get("node_labels") or ())
+        values["redirects"] = parse_std_spec(str(values.get("redirects", "0")), "--redirects")
+        values["tee"] = parse_std_spec(str(values.get("tee", "0")), "--tee")
+        values["local_ranks_filter"] = parse_local_ranks(values.get("local_ranks_filter") or "")
+        values["signals_to_handle"] = parse_signals(
+            values.get("signals_to_handle") or "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+        )
+        values["training_script_args"] = tuple(values.get("training_script_args") or ())
+        if values.get("shutdown_timeout") is None:
+            values["shutdown_timeout"] = float(
+                os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT)
+            )
+        _check_script(values)
+        return cls(**values)
+
+
+# --- parsers, one per flag format -----------------------------------------------------------
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """``"4"`` -> ``(4, 4)``; ``"1:4"`` -> ``(1, 4)``."""
+    match = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", text)
+    if not match:
+        raise UsageError(f"--nnodes {text!r}: expected a number of nodes N or a range MIN:MAX.")
+    low = int(match.group(1))
+    high = int(match.group(2)) if match.group(2) is not None else low
+    if low < 1:
+        raise UsageError(f"--nnodes {text!r}: a job needs at least 1 node.")
+    if low > high:
+        raise UsageError(f"--nnodes {text!r}: MIN must not exceed MAX.")
+    return low, high
+
+
+def parse_nproc_per_node(text: str) -> int:
+    """A positive number, or torchrun's ``cpu``, ``gpu``, ``xpu`` or ``auto``."""
+    value = text.strip().lower()
+    if value.isdigit():
+        count = int(value)
+        if count < 1:
+            raise UsageError(f"--nproc-per-node {text!r}: must be at least 1.")
+        return count
+    if value == "cpu":
+        return os.cpu_count() or 1
+    if value in ("gpu", "xpu", "auto"):
+        devices = _accelerator_count(value)
+        if devices:
+            return devices
+        if value == "auto":
+            return os.cpu_count() or 1
+        raise UsageError(
+            f"--nproc-per-node {text!r}: no {value.upper()} devices found on this host."
+        )
+    raise UsageError(
+        f"--nproc-per-node {text!r}: expected a whole number or one of auto, cpu, gpu, xpu."
+    )
+
+
+def _accelerator_count(kind: str) -> int:
+    # Only these values need torch; importing it here keeps every other start-up light.
+    import torch
+
+    if kind in ("gpu", "auto") and torch.cuda.is_available():
+        return int(torch.cuda.device_count())
+    xpu = getattr(torch, "xpu", None)
+    if kind in ("xpu", "auto") and xpu is not None and xpu.is_available():
+        return int(xpu.device_count())
+    return 0
+
+
+def split_list(text: str) -> list[str]:
+    """``"a, b,,c"`` -> ``["a", "b", "c"]``."""
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def parse_options(
+    text: str, options: Sequence[ConfigOption], flag: str, owner: str
+) -> dict[str, Any]:
+    """Parse ``"k=v,k2=v2"`` against declared options; every declared key is in the result."""
+    declared = {option.name: option for option in options}
+    values = {option.name: option.default for option in options}
+    for pair in split_list(text):
+        key, sep, raw = pair.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise UsageError(f"{flag} {pair!r}: expected KEY=VALUE pairs separated by commas.")
+        if key not in declared:
+            valid = ", ".join(sorted(declared)) or "none"
+            raise UsageError(f"{flag} {key!r}: unknown key for {owner}. Valid keys: {valid}.")
+        option = declared[key]
+        try:
+            values[key] = option.parse(raw)
+        except ValueError as error:
+            shown = "***" if option.secret else raw
+            raise UsageError(f"{flag} {key}={shown!r}: {error}.") from None
+    return values
+
+
+def parse_labels(pairs: Iterable[str]) -> dict[str, str]:
+    """``["rack=a", "zone=1"]`` (or ``"rack=a,zone=1"`` items) -> ``{"rack": "a", "zone": "1"}``."""
+    labels: dict[str, str] = {}
+    for item in pairs:
+        for pair in split_list(item):
+            key, sep, value = pair.partition("=")
+            if not sep or not key.strip():
+                raise UsageError(f"--node-label {pair!r}: expected KEY=VALUE.")
+            labels[key.strip()] = value.strip()
+    return labels
+
+
+def parse_std_spec(text: str, flag: str) -> dict[int, int]:
+    """torchrun's stream spec: ``"3"`` for every rank, or ``"0:1,1:2"`` per local rank."""
+    value = text.strip()
+    if value.isdigit():
+        return {-1: _std_value(value, flag, text)}
+    spec: dict[int, int] = {}
+    for pair in split_list(value):
+        rank, sep, stream = pair.partition(":")
+        if not sep or not rank.strip().isdigit():
+            raise UsageError(
+                f"{flag} {text!r}: expected 0-3 for every rank, or LOCAL_RANK:0-3 pairs like 0:1,1:2."
+            )
+        spec[int(rank)] = _std_value(stream.strip(), flag, text)
+    return spec
+
+
+def _std_value(value: str, flag: str, text: str) -> int:
+    if value.isdigit() and int(value) in _STD_VALUES:
+        return int(value)
+    raise UsageError(
+        f"{flag} {text!r}: stream values are 0 (none), 1 (stdout), 2 (stderr), 3 (both)."
+    )
+
+
+def parse_local_ranks(text: str) -> frozenset[int] | None:
+    """``"0,2"`` -> ``{0, 2}``; empty means every rank."""
+    items = split_list(text)
+    if not items:
+        return None
+    if not all(item.isdigit() for item in items):
+        raise UsageError(f"--local-ranks-filter {text!r}: expected local ranks like 0,1,2.")
+    return frozenset(int(item) for item in items)
+
+
+def parse_signals(text: str) -> tuple[str, ...]:
+    """``"SIGTERM,SIGUSR1"`` -> names checked against this platform's signals."""
+    names = tuple(name.upper() for name in split_list(text))
+    for name in names:
+        if not name.startswith("SIG") or not hasattr(signal, name) or name.startswith("SIG_"):
+            raise UsageError(f"--signals-to-handle {text!r}: {name!r} is not a signal name.")
+    return names
+
+
+# --- cross-field checks ----------------------------------------------------------------------
+
+
+def _check_static(min_nodes: int, max_nodes: int, node_rank: int) -> None:
+    if min_nodes != max_nodes:
+        raise UsageError(
+            f"--rdzv-backend static needs a fixed --nnodes N, not {min_nodes}:{max_nodes}; "
+            "use c10d, etcd or redis for an elastic job."
+        )
+    if not 0 <= node_rank < max_nodes:
+        raise UsageError(
+            f"--node-rank {node_rank}: must be between 0 and {max_nodes - 1} for --nnodes {max_nodes}."
+        )
+
+
+#: Numeric flags: (field, flag, type, lowest value, whether the lowest value is excluded).
+_NUMBERS: tuple[tuple[str, str, type, float, bool], ...] = (
+    ("max_restarts", "--max-restarts", int, 0, False),
+    ("node_rank", "--node-rank", int, 0, False),
+    ("master_port", "--master-port", int, 0, False),
+    ("monitor_interval", "--monitor-interval", float, 0, True),
+    ("shutdown_timeout", "--shutdown-timeout", float, 0, False),
+    ("exit_barrier_timeout", "--exit-barrier-timeout", float, 0, False),
+)
+
+
+def _parse_numbers(values: dict[str, Any]) -> None:
+    """Convert the numeric flags in ``values`` (text from the CLI, or numbers) in place."""
+    for key, flag, kind, low, exclusive in _NUMBERS:
+        raw = values.get(key)
+        if raw is None:
+            continue
+        try:
+            number = kind(str(raw).strip())
+        except ValueError:
+            what = "a whole number" if kind is int else "a number"
+            raise UsageError(f"{flag} {raw!r}: expected {what}.") from None
+        if number < low or (exclusive and number == low):
+            bound = f"above {low:g}" if exclusive else f"at least {low:g}"
+            raise UsageError(f"{flag} {raw!r}: must be {bound}.")
+        values[key] = number
+    port = values.get("master_port")
+    if port is not None and port > 65535:
+        raise UsageError(f"--master-port {port}: must be between 0 and 65535.")
+    if values.get("start_method", "spawn") not in ("spawn", "fork", "forkserver"):
+        raise UsageError(
+            f"--start-method {values['start_method']!r}: choose one of spawn, fork, forkserver."
+        )
+
+
+def _check_script(values: Mapping[str, Any]) -> None:
+    script = values.get("training_script") or ""
+    if not script:
+        raise UsageError("missing the training script: rallypoint run [OPTIONS] SCRIPT [ARGS]...")
+    if script.startswith("-"):
+        # Options after the first unknown one are the script's; before it, this is a typo.
+        raise UsageError(f"no such option: {script}. See 'rallypoint run --help'.")
+    if values.get("module"):
+        return  # resolved by the worker's interpreter, as with `python -m`
+    if values.get("run_path") and not os.path.isabs(script):
+        raise UsageError(f"--run-path needs an absolute script path, not {script!r}.")
+    if values.get("no_python") and not values.get("run_path"):
+        if os.path.isfile(script) or shutil.which(script):
+            return
+        raise UsageError(f"training program {script!r} does not exist and is not on PATH.")
+    if not os.path.isfile(script):
+        raise UsageError(f"training script {script!r} does not exist.")

@@ -1,0 +1,118 @@
+"""What happens during a run, as plain data.
+
+The agent describes every phase of a run with these records. The same records are passed
+to the lifecycle hooks (see ``rallypoint.hookspecs``), to every metrics sink and to the
+JSON-lines event log, so a plugin, a dashboard and a benchmark all see one account.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Event names, one per agent phase. Sinks may see names added later: ignore unknown ones.
+AGENT_STARTED = "agent_started"
+RENDEZVOUS_STARTED = "rendezvous_started"
+RENDEZVOUS_COMPLETED = "rendezvous_completed"
+WORKERS_STARTED = "workers_started"
+WORKER_FAILED = "worker_failed"
+WORKERS_RESTARTED = "workers_restarted"
+SCALE_CHANGED = "scale_changed"
+AGENT_STOPPING = "agent_stopping"
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """Who is running: the job, this node and the worker role.
+
+    Attributes:
+        run_id: the rendezvous id (``--rdzv-id``) shared by every node of the job.
+        node_id: unique for this agent process, stable for its life.
+        hostname: the host this agent runs on.
+        role: the worker role (``--role``), ``"default"`` unless set.
+    """
+
+    run_id: str
+    node_id: str
+    hostname: str
+    role: str = "default"
+
+
+@dataclass(frozen=True)
+class RoundInfo:
+    """The outcome of one completed rendezvous round, as this node sees it.
+
+    Attributes:
+        round: the round number, starting at 0 and increasing by one per round.
+        group_rank: this node's rank among the nodes of the round.
+        group_world_size: how many nodes took part.
+        world_size: how many workers in all (sum of every node's ``--nproc-per-node``).
+        master_addr, master_port: where rank 0's process group listens.
+        members: the node ids of the round, ordered by group rank.
+    """
+
+    round: int
+    group_rank: int
+    group_world_size: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    members: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """One worker process that ended badly.
+
+    Attributes:
+        local_rank, rank: the worker's rank on this node and in the job.
+        pid: its process id.
+        exit_code: the exit status, or ``None`` when it died of a signal.
+        signal: the signal's name (``"SIGKILL"``) when it died of one, else ``None``.
+        message: the root cause, from the worker's error file when it wrote one.
+        timestamp: wall-clock time of the failure (seconds since the epoch).
+    """
+
+    local_rank: int
+    rank: int
+    pid: int
+    exit_code: int | None
+    signal: str | None = None
+    message: str = ""
+    timestamp: float = 0.0
+
+
+@dataclass(frozen=True)
+class Event:
+    """One line of the event log and one message to every metrics sink.
+
+    Attributes:
+        name: what happened, one of the names at the top of this module.
+        run: the run it happened in.
+        data: details of the event; values are JSON-serialisable.
+        wall_time: seconds since the epoch, for people and other hosts.
+        monotonic: ``time.monotonic()``, for measuring durations on one host.
+    """
+
+    name: str
+    run: RunInfo
+    data: Mapping[str, Any] = field(default_factory=dict)
+    wall_time: float = field(default_factory=time.time)
+    monotonic: float = field(default_factory=time.monotonic)
+
+    def to_json(self) -> str:
+        """One compact JSON object, the format of the event log and the ``jsonl`` sink."""
+        record = {
+            "event": self.name,
+            "wall_time": self.wall_time,
+            "monotonic": self.monotonic,
+            "run_id": self.run.run_id,
+            "node": self.run.node_id,
+            "host": self.run.hostname,
+            "role": self.run.role,
+            **self.data,
+        }
+        return json.dumps(record, sort_keys=True, default=str)

@@ -1,0 +1,277 @@
+"""The named implementations plugins register, one dataclass per extension point.
+
+A plugin yields instances of these from its ``register_*`` hooks (see
+``rallypoint.hookspecs``). Names are normalised (stripped, lower-cased) and must look like
+``max-restarts`` or ``my_backend.v2``; a registration that breaks these rules marks its
+plugin as broken instead of taking the CLI down.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from rallypoint.events import Event, RunInfo, WorkerFailure
+
+_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def normalise_name(name: str) -> str:
+    """Return ``name`` stripped and lower-cased; raise ``ValueError`` if it is not a valid name."""
+    normalised = name.strip().lower()
+    if not _NAME.match(normalised):
+        raise ValueError(
+            f"invalid name {name!r}: use letters, digits, '-', '_' and '.', starting with a letter or digit"
+        )
+    return normalised
+
+
+# --- configuration options ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConfigOption:
+    """One ``key=value`` setting an implementation accepts (``--rdzv-conf``, ``--metrics-conf``...).
+
+    Declaring options lets the CLI reject an unknown key or a malformed value before anything
+    starts, and lets ``rallypoint plugins`` and ``--help`` list them.
+
+    Attributes:
+        name: the key, e.g. ``"join_timeout"``.
+        type: ``str``, ``int``, ``float`` or ``bool``; values are converted to it.
+        default: the value when the key is not given.
+        help: one line for humans.
+        secret: never print the value (passwords).
+    """
+
+    name: str
+    type: type = str
+    default: Any = None
+    help: str = ""
+    secret: bool = False
+
+    def __post_init__(self) -> None:
+        if self.type not in (str, int, float, bool):
+            raise ValueError(f"option {self.name!r}: type must be str, int, float or bool")
+
+    def parse(self, raw: str) -> Any:
+        """Convert the text ``raw`` to this option's type; raise ``ValueError`` with the reason."""
+        text = raw.strip()
+        if self.type is bool:
+            if text.lower() in _TRUE:
+                return True
+            if text.lower() in _FALSE:
+                return False
+            raise ValueError("expected true or false")
+        if self.type is int:
+            try:
+                return int(text)
+            except ValueError:
+                raise ValueError("expected a whole number") from None
+        if self.type is float:
+            try:
+                return float(text)
+            except ValueError:
+                raise ValueError("expected a number") from None
+        return text
+
+
+# --- rendezvous backends ------------------------------------------------------------------
+
+#: Options of the rendezvous protocol itself, shared by every backend built on it. Names and
+#: defaults follow torchrun's ``--rdzv-conf`` keys where torchrun has them.
+COMMON_RENDEZVOUS_OPTIONS: tuple[ConfigOption, ...] = (
+    ConfigOption("join_timeout", float, 600.0, "seconds to wait for MIN nodes before giving up"),
+    ConfigOption(
+        "last_call_timeout", float, 30.0, "seconds to wait for more nodes once MIN have joined"
+    ),
+    ConfigOption("close_timeout", float, 30.0, "seconds to wait for a round to be closed"),
+    ConfigOption(
+        "heartbeat_timeout", float, 15.0, "seconds without a heartbeat before a node is dead"
+    ),
+)
+
+
+@dataclass(frozen=True)
+class RendezvousBackend:
+    """A rendezvous backend, chosen with ``--rdzv-backend NAME``.
+
+    Attributes:
+        name: the value of ``--rdzv-backend``.
+        description: one line for ``rallypoint plugins`` and ``--help``.
+        options: the ``--rdzv-conf`` keys it accepts; include ``COMMON_RENDEZVOUS_OPTIONS``
+            when the backend runs rallypoint's rendezvous protocol.
+        endpoint_required: whether ``--rdzv-endpoint`` must be given.
+    """
+
+    name: str
+    description: str
+    options: tuple[ConfigOption, ...] = ()
+    endpoint_required: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "name", normalise_name(self.name))
+
+
+# --- restart policies ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RestartRequest:
+    """What a restart policy is asked to decide on, after a worker failure.
+
+    Attributes:
+        restarts_done: restarts already made in this run (membership changes not counted).
+        max_restarts: the ``--max-restarts`` value.
+        failure: the first worker that failed.
+        options: the policy's ``--restart-conf`` values, every declared key present.
+    """
+
+    restarts_done: int
+    max_restarts: int
+    failure: WorkerFailure | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RestartDecision:
+    """A restart policy's answer: restart after ``delay`` seconds, or give up."""
+
+    restart: bool
+    delay: float = 0.0
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """A restart policy, chosen with ``--restart-policy NAME``.
+
+    Attributes:
+        name: the value of ``--restart-policy``.
+        description: one line for humans.
+        decide: a pure function from a ``RestartRequest`` to a ``RestartDecision``.
+        options: the ``--restart-conf`` keys it accepts.
+    """
+
+    name: str
+    description: str
+    decide: Callable[[RestartRequest], RestartDecision]
+    options: tuple[ConfigOption, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "name", normalise_name(self.name))
+
+
+# --- rank assignment ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One node of a rendezvous round, as a rank assigner sees it.
+
+    Attributes:
+        node_id: unique per agent process and stable for its life.
+        host: the node's address.
+        labels: its ``--node-label KEY=VALUE`` pairs.
+        previous_rank: its group rank in the previous round, ``None`` if it is new.
+    """
+
+    node_id: str
+    host: str = ""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    previous_rank: int | None = None
+
+
+@dataclass(frozen=True)
+class RankAssigner:
+    """A rank assignment, chosen with ``--rank-assigner NAME``.
+
+    Attributes:
+        name: the value of ``--rank-assigner``.
+        description: one line for humans.
+        assign: given the round's nodes in join order, return their group ranks in the same
+            order: a permutation of ``0..len(nodes)-1``, the same for the same input.
+    """
+
+    name: str
+    description: str
+    assign: Callable[[Sequence[NodeSpec]], Sequence[int]]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "name", normalise_name(self.name))
+
+
+# --- checkpoint storage -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckpointStore:
+    """A checkpoint store, chosen by the URL scheme of ``--checkpoint-dir``.
+
+    Attributes:
+        name: a short name shown by ``rallypoint plugins``.
+        description: one line for humans.
+        schemes: the URL schemes it serves; ``""`` means a plain path.
+    """
+
+    name: str
+    description: str
+    schemes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "name", normalise_name(self.name))
+        object.__setattr__(self, "schemes", tuple(s.lower() for s in self.schemes))
+
+
+# --- metrics ------------------------------------------------------------------------------
+
+
+class EventSink(Protocol):
+    """What a metrics sink's ``create`` returns: it receives every event of the run."""
+
+    def emit(self, event: Event) -> None:
+        """Record ``event``; must not block the agent for long or raise for a bad event."""
+
+    def close(self) -> None:
+        """Flush and release resources; called once when the agent stops."""
+
+
+@dataclass(frozen=True)
+class SinkContext:
+    """What a metrics sink is created with.
+
+    Attributes:
+        run: the run being measured.
+        options: the sink's ``--metrics-conf`` values, every declared key present.
+    """
+
+    run: RunInfo
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class MetricsSink:
+    """A metrics sink, chosen with ``--metrics NAME[,NAME...]`` (several at once).
+
+    Attributes:
+        name: the value given to ``--metrics``.
+        description: one line for humans.
+        create: builds the sink for one run.
+        options: the ``--metrics-conf`` keys it accepts.
+    """
+
+    name: str
+    description: str
+    create: Callable[[SinkContext], EventSink]
+    options: tuple[ConfigOption, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "name", normalise_name(self.name))
+
+
+#: Every registration type, in the order ``rallypoint plugins`` lists them.
+Registration = RendezvousBackend | RestartPolicy | RankAssigner | CheckpointStore | MetricsSink

@@ -1,0 +1,217 @@
+"""Finding, loading and describing plugins.
+
+Built-in plugins are modules of this package registered exactly like installed ones; then
+every entry point of the ``rallypoint`` group is loaded on its own, so a plugin that fails
+to import, has a misspelt hook or registers something malformed is listed as broken and
+skipped, and the command line keeps working.
+
+Environment switches (read when the plugin manager is first built):
+
+* ``RALLYPOINT_DISABLE_PLUGINS=a,b`` - do not load these plugins (entry-point names, or the
+  module names of built-ins).
+* ``RALLYPOINT_LOAD_PLUGINS=a,b`` - load only these installed plugins; set but empty means
+  built-ins only.
+* ``RALLYPOINT_TRACE_PLUGINS=1`` - print every hook call and its result to stderr.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import os
+import sys
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+
+from rallypoint import __version__, hookspecs
+from rallypoint.registry import Registry
+
+ENTRY_POINT_GROUP = "rallypoint"
+
+BUILTIN_PLUGINS: tuple[str, ...] = (
+    "rallypoint.builtins.rendezvous",
+    "rallypoint.builtins.restart_policies",
+    "rallypoint.builtins.rank_assigners",
+    "rallypoint.builtins.checkpoint_stores",
+    "rallypoint.builtins.metrics_sinks",
+)
+
+ACTIVE = "active"
+BROKEN = "broken"
+DISABLED = "disabled"
+
+
+@dataclass
+class PluginInfo:
+    """What ``rallypoint plugins`` shows about one plugin.
+
+    Attributes:
+        name: the entry-point name, or the module name of a built-in.
+        distribution: the distribution that installed it (``rallypoint`` for built-ins).
+        version: that distribution's version.
+        status: ``active``, ``broken`` or ``disabled``.
+        error: why it is broken or disabled, one line.
+        hooks: the hooks it implements.
+        registered: the names it registers, by extension point.
+    """
+
+    name: str
+    distribution: str
+    version: str
+    status: str = ACTIVE
+    error: str = ""
+    hooks: tuple[str, ...] = ()
+    registered: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def builtin(self) -> bool:
+        return self.name in BUILTIN_PLUGINS
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "distribution": self.distribution,
+            "version": self.version,
+            "builtin": self.builtin,
+            "status": self.status,
+            "error": self.error,
+            "hooks": list(self.hooks),
+            "registered": self.registered,
+        }
+
+
+class PluginManager(pluggy.PluginManager):
+    """pluggy's manager plus what rallypoint knows about each plugin."""
+
+    def __init__(self) -> None:
+        super().__init__(hookspecs.PROJECT_NAME)
+        self.add_hookspecs(hookspecs)
+        self.infos: dict[str, PluginInfo] = {}
+        self.registry = Registry()
+
+    def add_plugin(self, plugin: object, info: PluginInfo) -> bool:
+        """Register ``plugin``; on any validation error keep it out and mark it broken."""
+        self.infos[info.name] = info
+        try:
+            self.register(plugin, name=info.name)
+            # Catches hooks that are misspelt or not declared anywhere, per plugin.
+            self.check_pending()
+        except Exception as error:  # a plugin may fail in any way; it must not stop us
+            if self.is_registered(plugin):
+                self.unregister(plugin)
+            self.mark_broken(info.name, error)
+            return False
+        callers = self.get_hookcallers(plugin) or []
+        info.hooks = tuple(sorted(caller.name for caller in callers))
+        return True
+
+    def mark_broken(self, name: str, error: BaseException | str) -> None:
+        """Unregister plugin ``name`` and record why it cannot be used."""
+        info = self.infos[name]
+        info.status = BROKEN
+        info.error = _one_line(error)
+        plugin = self.get_plugin(name)
+        if plugin is not None:
+            self.unregister(plugin)
+
+    def call_each(self, hook_name: str, **kwargs: Any) -> Iterator[tuple[str, list[Any] | None]]:
+        """Call one hook plugin by plugin, yielding ``(plugin name, results)``.
+
+        A plugin whose implementation raises is marked broken and yields ``None`` for its
+        results, so one bad plugin cannot hide the registrations of the others and callers
+        can undo what it did before failing. Calls go through pluggy (and so through
+        tracing) one implementation at a time.
+        """
+        caller = getattr(self.hook, hook_name)
+        for impl in list(caller.get_hookimpls()):
+            name = self.get_name(impl.plugin)
+            if name is None:
+                continue
+            others = [p for p in self.get_plugins() if p is not impl.plugin]
+            single = self.subset_hook_caller(hook_name, remove_plugins=others)
+            try:
+                results = list(single(**kwargs))
+            except Exception as error:
+                self.mark_broken(name, f"{hook_name} failed: {_one_line(error)}")
+                yield name, None
+                continue
+            yield name, results
+
+
+def _one_line(error: BaseException | str) -> str:
+    if isinstance(error, str):
+        return error
+    text = str(error).strip().splitlines()
+    detail = text[0] if text else ""
+    return f"{type(error).__name__}: {detail}" if detail else type(error).__name__
+
+
+def _names(value: str) -> set[str]:
+    return {part.strip() for part in value.split(",") if part.strip()}
+
+
+def _entry_points() -> list[importlib.metadata.EntryPoint]:
+    return sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
+
+
+def build_plugin_manager(environ: Mapping[str, str] | None = None) -> PluginManager:
+    """Build a new plugin manager from the built-ins and the installed entry points.
+
+    ``environ`` defaults to ``os.environ``; tests pass their own mapping.
+    """
+    env = os.environ if environ is None else environ
+    disabled = _names(env.get("RALLYPOINT_DISABLE_PLUGINS", ""))
+    allowlist = _names(env["RALLYPOINT_LOAD_PLUGINS"]) if "RALLYPOINT_LOAD_PLUGINS" in env else None
+
+    pm = PluginManager()
+    if env.get("RALLYPOINT_TRACE_PLUGINS", "").strip().lower() not in ("", "0", "false", "no"):
+        pm.trace.root.setwriter(sys.stderr.write)
+        pm.enable_tracing()
+
+    for module_name in BUILTIN_PLUGINS:
+        info = PluginInfo(module_name, "rallypoint", __version__)
+        if module_name in disabled:
+            info.status, info.error = DISABLED, "disabled by RALLYPOINT_DISABLE_PLUGINS"
+            pm.infos[module_name] = info
+            continue
+        pm.add_plugin(importlib.import_module(module_name), info)
+
+    for entry_point in _entry_points():
+        dist = entry_point.dist
+        info = PluginInfo(
+            entry_point.name,
+            dist.name if dist else "?",
+            dist.version if dist else "?",
+        )
+        if entry_point.name in disabled:
+            info.status, info.error = DISABLED, "disabled by RALLYPOINT_DISABLE_PLUGINS"
+            pm.infos[info.name] = info
+            continue
+        if allowlist is not None and entry_point.name not in allowlist:
+            info.status, info.error = DISABLED, "not in RALLYPOINT_LOAD_PLUGINS"
+            pm.infos[info.name] = info
+            continue
+        try:
+            plugin = entry_point.load()
+        except Exception as error:  # an import error of any kind makes the plugin broken
+            info.status, info.error = BROKEN, f"failed to load: {_one_line(error)}"
+            pm.infos[info.name] = info
+            continue
+        pm.add_plugin(plugin, info)
+
+    pm.registry = Registry.collect(pm)
+    return pm
+
+
+@functools.cache
+def get_plugin_manager() -> PluginManager:
+    """The process-wide plugin manager, built on first use from ``os.environ``.
+
+    Call ``get_plugin_manager.cache_clear()`` to rebuild it (tests do, after installing or
+    disabling a plugin).
+    """
+    return build_plugin_manager()

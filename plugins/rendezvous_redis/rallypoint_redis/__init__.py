@@ -1,0 +1,37 @@
+"""rallypoint-redis: the ``redis`` rendezvous backend.
+
+Registering is all this module does at import time; redis-py is imported only when a run
+uses the backend, so an installed plugin costs the CLI nothing.
+"""
+
+from __future__ import annotations
+
+from rallypoint import hookimpl
+from rallypoint.extensions import COMMON_RENDEZVOUS_OPTIONS, ConfigOption, RendezvousBackend
+
+__version__ = "0.1.0"
+
+OPTIONS: tuple[ConfigOption, ...] = (
+    *COMMON_RENDEZVOUS_OPTIONS,
+    ConfigOption("prefix", str, "rallypoint", "key prefix; the run id is appended"),
+    ConfigOption("key_ttl", float, 10.0, "seconds a dead agent's keys outlive it"),
+    ConfigOption("connect_timeout", float, 5.0, "seconds to reach the server"),
+    ConfigOption("db", int, 0, "database number"),
+    ConfigOption("username", str, None, "ACL user name"),
+    ConfigOption("password", str, None, "password (default: $REDIS_PASSWORD)", secret=True),
+    ConfigOption("ssl_ca_certs", str, None, "CA certificate file for TLS"),
+    ConfigOption("ssl_certfile", str, None, "client certificate file for TLS"),
+    ConfigOption("ssl_keyfile", str, None, "client key file for TLS"),
+    ConfigOption("sentinel_master", str, None, "master name, with sentinel:// endpoints"),
+)
+
+
+@hookimpl
+def register_rendezvous_backends() -> list[RendezvousBackend]:
+    return [
+        RendezvousBackend(
+            name="redis",
+            description="Redis: key TTLs for liveness, blocking calls for waiting (host:port or URL)",
+            options=OPTIONS,
+        )
+    ]
