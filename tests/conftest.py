@@ -1,7 +1,16 @@
-"""Shared fixtures: real servers (tests/servers.py) and a fresh plugin manager per test."""
+"""Shared fixtures: real servers (tests/servers.py), plugins installed for one test, and a
+fresh plugin manager around every test."""
 
 from __future__ import annotations
 
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from rallypoint.plugins import PluginManager, build_plugin_manager, get_plugin_manager
 from servers import (  # noqa: F401 - pytest finds fixtures by name
     etcd_server,
     etcd_server_session,
@@ -10,3 +19,51 @@ from servers import (  # noqa: F401 - pytest finds fixtures by name
     redis_server,
     redis_server_session,
 )
+
+InstallPlugin = Callable[..., Path]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plugin_manager() -> Iterator[None]:
+    """No test sees plugins another test installed, disabled or broke."""
+    get_plugin_manager.cache_clear()
+    yield
+    get_plugin_manager.cache_clear()
+
+
+@pytest.fixture
+def install_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[InstallPlugin]:
+    """Install a plugin distribution for this test: a module plus its ``.dist-info``.
+
+    The distribution is put on ``sys.path`` and found through ``importlib.metadata`` like
+    any pip-installed plugin; the returned directory can also go on ``PYTHONPATH`` for a
+    ``rallypoint`` subprocess.
+    """
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    modules: list[str] = []
+
+    def install(
+        name: str, source: str, *, distribution: str | None = None, version: str = "1.0.0"
+    ) -> Path:
+        module = f"rallypoint_test_{name.replace('-', '_')}"
+        dist = distribution or f"rallypoint-test-{name}"
+        modules.append(module)
+        sys.modules.pop(module, None)
+        (site / f"{module}.py").write_text(textwrap.dedent(source))
+        info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+        (info / "entry_points.txt").write_text(f"[rallypoint]\n{name} = {module}\n")
+        return site
+
+    yield install
+    for module in modules:
+        sys.modules.pop(module, None)
+
+
+@pytest.fixture
+def pm() -> PluginManager:
+    """A plugin manager built for this test from the current environment."""
+    return build_plugin_manager()

@@ -143,10 +143,10 @@ class PluginManager(pluggy.PluginManager):
 
 
 def _one_line(error: BaseException | str) -> str:
+    """The error as one line: ``Type: message``, a multi-line message joined with ``; ``."""
     if isinstance(error, str):
         return error
-    text = str(error).strip().splitlines()
-    detail = text[0] if text else ""
+    detail = "; ".join(line.strip() for line in str(error).splitlines() if line.strip())
     return f"{type(error).__name__}: {detail}" if detail else type(error).__name__
 
 

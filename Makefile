@@ -1,0 +1,56 @@
+# The two commands of the README: `make demo` and `make test`. Everything they need is set
+# up here, on a fresh machine, by the targets below.
+
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+PLUGINS := plugins/rendezvous_etcd plugins/rendezvous_redis plugins/metrics_prometheus
+STAMP := $(VENV)/.installed
+# Debian packages of the servers the tests start: binary:package.
+SERVERS := etcd:etcd-server redis-server:redis-server prometheus:prometheus
+
+.PHONY: install servers lint docs test demo clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch first, pinned: pip finds a CPU build locally; letting the project's torch range pick
+# one would download a multi-gigabyte CUDA build.
+$(STAMP): pyproject.toml $(addsuffix /pyproject.toml,$(PLUGINS)) | $(PY)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]' $(addprefix -e ,$(PLUGINS))
+	touch $@
+
+install: $(STAMP)
+
+# Installs the servers the tests need with apt-get when they are missing and we are root.
+servers:
+	@missing=""; \
+	for pair in $(SERVERS); do \
+		command -v "$${pair%%:*}" >/dev/null 2>&1 || missing="$$missing $${pair#*:}"; \
+	done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing$$missing with apt-get"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	else \
+		echo "warning: missing$$missing; install with: sudo apt-get install$$missing (their tests skip, or fail under CI)"; \
+	fi
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+docs: install
+	$(VENV)/bin/mkdocs build --strict --quiet --site-dir "$$(mktemp -d)"
+
+test: install servers lint docs
+	$(PY) -m pytest
+
+demo: install
+	$(VENV)/bin/rallypoint plugins
+
+clean:
+	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache

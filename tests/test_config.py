@@ -1,0 +1,148 @@
+"""Parsing and checking ``rallypoint run``'s flags into a ``LaunchConfig``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rallypoint.config import (
+    LaunchConfig,
+    parse_labels,
+    parse_local_ranks,
+    parse_nnodes,
+    parse_nproc_per_node,
+    parse_options,
+    parse_signals,
+    parse_std_spec,
+)
+from rallypoint.errors import UsageError
+from rallypoint.extensions import ConfigOption
+from rallypoint.plugins import get_plugin_manager
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> str:
+    path = tmp_path / "train.py"
+    path.write_text("")
+    return str(path)
+
+
+def config(**flags: object) -> LaunchConfig:
+    return LaunchConfig.from_flags(get_plugin_manager().registry, **flags)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [("1", (1, 1)), ("4", (4, 4)), ("1:4", (1, 4)), (" 2 : 2 ", (2, 2))]
+)
+def test_parse_nnodes(text: str, expected: tuple[int, int]) -> None:
+    assert parse_nnodes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "a", "1:", ":2", "1:2:3", "-1", "0", "0:2", "3:2"])
+def test_parse_nnodes_rejects(text: str) -> None:
+    with pytest.raises(UsageError, match="--nnodes"):
+        parse_nnodes(text)
+
+
+def test_parse_nproc_per_node() -> None:
+    assert parse_nproc_per_node("8") == 8
+    assert parse_nproc_per_node("cpu") >= 1
+    assert parse_nproc_per_node("auto") >= 1  # CPU count where no accelerator is present
+    with pytest.raises(UsageError):
+        parse_nproc_per_node("-1")
+
+
+def test_parse_options_converts_and_fills_defaults() -> None:
+    options = (
+        ConfigOption("timeout", float, 30.0),
+        ConfigOption("retries", int, 3),
+        ConfigOption("tls", bool, False),
+        ConfigOption("prefix", str, "/rp"),
+    )
+    values = parse_options("timeout=1.5, tls=yes,retries=7", options, "--x", "it")
+    assert values == {"timeout": 1.5, "retries": 7, "tls": True, "prefix": "/rp"}
+    with pytest.raises(UsageError, match=r"--x retries='many': expected a whole number\."):
+        parse_options("retries=many", options, "--x", "it")
+    with pytest.raises(UsageError, match="expected true or false"):
+        parse_options("tls=maybe", options, "--x", "it")
+
+
+def test_secret_values_are_never_echoed() -> None:
+    options = (ConfigOption("port", int, 0, secret=True),)
+    with pytest.raises(UsageError) as caught:
+        parse_options("port=hunter2", options, "--rdzv-conf", "it")
+    assert "hunter2" not in str(caught.value)
+
+
+def test_small_parsers() -> None:
+    assert parse_std_spec("3", "--tee") == {-1: 3}
+    assert parse_std_spec("0:1,1:2", "--tee") == {0: 1, 1: 2}
+    assert parse_local_ranks("") is None
+    assert parse_local_ranks("0, 2") == frozenset({0, 2})
+    assert parse_signals("sigterm,SIGUSR1") == ("SIGTERM", "SIGUSR1")
+    assert parse_labels(["rack=a,zone=1", "row=3"]) == {"rack": "a", "zone": "1", "row": "3"}
+    with pytest.raises(UsageError):
+        parse_signals("SIG_DFL")
+
+
+def test_defaults_match_torchrun(script: str) -> None:
+    cfg = config(training_script=script)
+    assert (cfg.min_nodes, cfg.max_nodes, cfg.nproc_per_node) == (1, 1, 1)
+    assert (cfg.rdzv_backend, cfg.rdzv_id, cfg.max_restarts) == ("static", "none", 0)
+    assert cfg.monitor_interval == 0.1
+    assert cfg.master_addr == "127.0.0.1"
+    assert cfg.signals_to_handle == ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    assert cfg.shutdown_timeout == 30.0
+    assert cfg.exit_barrier_timeout == 300.0
+    assert cfg.restart_policy == "max-restarts"
+    assert cfg.rank_assigner == "ordered"
+    assert not cfg.elastic
+
+
+def test_standalone_is_c10d_on_a_free_local_port_with_a_fresh_id(script: str) -> None:
+    first = config(training_script=script, standalone=True, rdzv_backend="etcd", rdzv_id="x")
+    second = config(training_script=script, standalone=True)
+    assert (first.rdzv_backend, first.rdzv_endpoint) == ("c10d", "localhost:0")
+    assert first.rdzv_id not in ("x", second.rdzv_id)
+
+
+def test_backend_options_are_typed_with_defaults(script: str) -> None:
+    cfg = config(
+        training_script=script,
+        nnodes="1:4",
+        rdzv_backend="C10D",
+        rdzv_conf="join_timeout=5,is_host=false",
+        restart_policy="backoff",
+        restart_conf="max_delay=10",
+        metrics="jsonl,log,jsonl",
+        metrics_conf="path=/tmp/m.jsonl",
+        node_labels=("rack=r1",),
+    )
+    assert cfg.elastic
+    assert cfg.rdzv_backend == "c10d"
+    assert cfg.rdzv_conf["join_timeout"] == 5.0
+    assert cfg.rdzv_conf["is_host"] is False
+    assert cfg.rdzv_conf["last_call_timeout"] == 30.0
+    assert cfg.restart_conf == {"initial_delay": 1.0, "factor": 2.0, "max_delay": 10.0}
+    assert cfg.metrics == ("jsonl", "log")
+    assert cfg.metrics_conf["path"] == "/tmp/m.jsonl"
+    assert cfg.node_labels == {"rack": "r1"}
+
+
+def test_shutdown_timeout_from_torch_environment_variable(
+    script: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "12")
+    assert config(training_script=script).shutdown_timeout == 12.0
+    assert config(training_script=script, shutdown_timeout="3").shutdown_timeout == 3.0
+
+
+def test_script_checks(script: str, tmp_path: Path) -> None:
+    assert config(training_script="pkg.train", module=True).module
+    assert config(training_script="true", no_python=True).no_python
+    with pytest.raises(UsageError, match="not on PATH"):
+        config(training_script="no-such-program-here", no_python=True)
+    with pytest.raises(UsageError, match="absolute"):
+        config(training_script="train.py", run_path=True)
+    assert config(training_script=script, run_path=True).run_path
