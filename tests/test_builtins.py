@@ -129,3 +129,26 @@ def test_jsonl_sink_appends_one_object_per_event(tmp_path: Path) -> None:
     assert records[0]["event"] == "rendezvous_completed"
     assert records[0]["run_id"] == "job-1"
     assert records[0]["monotonic"] > 0 and records[0]["wall_time"] > 1e9
+
+
+def test_hosts_sort_naturally() -> None:
+    members = [
+        NodeSpec("x", host="node66"),
+        NodeSpec("y", host="node7"),
+        NodeSpec("z", host="node8"),
+    ]
+    assert ordered(members) == [2, 0, 1]
+    addresses = [NodeSpec("a", host="10.0.0.10"), NodeSpec("b", host="10.0.0.2")]
+    assert ordered(addresses) == [1, 0]
+
+
+def test_log_sink_level_is_checked() -> None:
+    from rallypoint.config import parse_options
+    from rallypoint.errors import UsageError
+
+    options = get_plugin_manager().registry.get(METRICS_SINKS, "log").options
+    assert (
+        parse_options("log_level=DEBUG", options, "--metrics-conf", "log")["log_level"] == "DEBUG"
+    )
+    with pytest.raises(UsageError, match="expected one of DEBUG, INFO, WARNING, ERROR"):
+        parse_options("log_level=LOUD", options, "--metrics-conf", "log")

@@ -146,3 +146,8 @@ def test_script_checks(script: str, tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="absolute"):
         config(training_script="train.py", run_path=True)
     assert config(training_script=script, run_path=True).run_path
+
+
+def test_module_and_no_python_exclude_each_other() -> None:
+    with pytest.raises(UsageError, match="cannot be used together"):
+        config(training_script="pkg.train", module=True, no_python=True)

@@ -274,3 +274,89 @@ def test_register_commands_adds_a_command_and_refuses_a_shadowing_one(
     # The built-in run command is still the one that answers.
     assert main(["run", "--nnodes", "3:2", "x.py"]) == 2
     assert "MIN must not exceed MAX" in capsys.readouterr().err
+
+
+def test_two_distributions_with_one_entry_point_name(install_plugin: InstallPlugin) -> None:
+    install_plugin(
+        "etcd",
+        """
+        from rallypoint import hookimpl
+        from rallypoint.extensions import RendezvousBackend
+
+        @hookimpl
+        def register_rendezvous_backends():
+            return [RendezvousBackend("etcd2", "a second etcd plugin")]
+        """,
+        distribution="acme-etcd",
+    )
+    pm = build_plugin_manager()
+    # Like two plugins registering one name: neither is used, both are reported.
+    assert "etcd" not in pm.infos
+    ours, theirs = pm.infos["etcd (rallypoint-etcd)"], pm.infos["etcd (acme-etcd)"]
+    assert ours.status == theirs.status == BROKEN
+    assert "also used by acme-etcd" in ours.error
+    assert "also used by rallypoint-etcd" in theirs.error
+    assert not {"etcd", "etcd2"} & set(pm.registry.names(RENDEZVOUS_BACKENDS))
+    assert "redis" in pm.registry.names(RENDEZVOUS_BACKENDS)
+
+
+def test_a_plugin_broken_later_gives_back_the_names_it_shared(
+    install_plugin: InstallPlugin,
+) -> None:
+    install_plugin(
+        "copycat",
+        """
+        from rallypoint import hookimpl
+        from rallypoint.extensions import RankAssigner
+
+        @hookimpl
+        def register_rank_assigners():
+            return [RankAssigner("sticky", "another sticky", lambda nodes: list(range(len(nodes))))]
+
+        @hookimpl
+        def register_metrics_sinks():
+            raise RuntimeError("broken after registering")
+        """,
+    )
+    pm = build_plugin_manager()
+    assert pm.infos["copycat"].status == BROKEN
+    assert pm.registry.conflicts() == []
+    assert pm.registry.get(RANK_ASSIGNERS, "sticky").description.startswith("surviving")
+
+
+@pytest.mark.parametrize("value", ["0", "off", "false", "no", ""])
+def test_trace_plugins_stays_off(
+    value: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("RALLYPOINT_TRACE_PLUGINS", value)
+    build_plugin_manager()
+    assert "register_rendezvous_backends" not in capsys.readouterr().err
+
+
+def test_a_plugin_refused_for_its_command_loses_its_registrations(
+    install_plugin: InstallPlugin,
+) -> None:
+    from rallypoint_cli.main import build_app
+
+    install_plugin(
+        "squatter",
+        """
+        from rallypoint import hookimpl
+        from rallypoint.extensions import MetricsSink
+
+        @hookimpl
+        def register_metrics_sinks():
+            return [MetricsSink("squat", "", lambda ctx: None)]
+
+        @hookimpl
+        def register_commands(app):
+            @app.command("plugins")
+            def plugins():
+                "Shadow the built-in."
+        """,
+    )
+    pm = get_plugin_manager()
+    assert "squat" in pm.registry.names(METRICS_SINKS)
+    build_app(pm)
+    assert pm.infos["squatter"].status == BROKEN
+    assert "squat" not in pm.registry.names(METRICS_SINKS)

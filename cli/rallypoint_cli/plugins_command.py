@@ -3,11 +3,43 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import typer
 
 from rallypoint.plugins import BROKEN, PluginManager
-from rallypoint.registry import KINDS
+from rallypoint.registry import CHECKPOINT_STORES, KINDS, Registry
+
+#: The flag whose ``key=value`` list sets the options of each kind of registration.
+OPTION_FLAGS = {
+    "rendezvous backend": "--rdzv-conf",
+    "restart policy": "--restart-conf",
+    "metrics sink": "--metrics-conf",
+}
+
+
+def _choices(registry: Registry) -> dict[str, list[str]]:
+    """Usable names by extension point; for checkpoint stores, the URL schemes they serve."""
+    choices = {kind.label: registry.names(kind) for kind in KINDS}
+    choices[CHECKPOINT_STORES.label] = sorted(
+        f"{scheme}://" if scheme else "a plain path"
+        for entry in registry.entries(CHECKPOINT_STORES)
+        for scheme in entry.item.schemes
+    )
+    return choices
+
+
+def _options(registry: Registry) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """Declared ``key=value`` options, by extension point and name."""
+    return {
+        kind.label: {
+            entry.item.name: [option.to_dict() for option in entry.item.options]
+            for entry in registry.entries(kind)
+            if getattr(entry.item, "options", ())
+        }
+        for kind in KINDS
+        if kind.label in OPTION_FLAGS
+    }
 
 
 def register(app: typer.Typer, pm: PluginManager) -> None:
@@ -21,7 +53,8 @@ def register(app: typer.Typer, pm: PluginManager) -> None:
         if as_json:
             payload = {
                 "plugins": [info.to_dict() for info in infos],
-                "available": {kind.label: pm.registry.names(kind) for kind in KINDS},
+                "available": _choices(pm.registry),
+                "options": _options(pm.registry),
                 "conflicts": conflicts,
             }
             typer.echo(json.dumps(payload, indent=2, sort_keys=True))
@@ -36,7 +69,12 @@ def register(app: typer.Typer, pm: PluginManager) -> None:
             if info.hooks:
                 typer.echo(f"    hooks: {', '.join(info.hooks)}")
         typer.echo("")
+        choices = _choices(pm.registry)
         for kind in KINDS:
-            typer.echo(f"{kind.flag} choices: {', '.join(pm.registry.names(kind)) or '(none)'}")
+            typer.echo(f"{kind.flag} choices: {', '.join(choices[kind.label]) or '(none)'}")
+        for label, by_name in _options(pm.registry).items():
+            for name, options in sorted(by_name.items()):
+                keys = ", ".join(option["name"] for option in options)
+                typer.echo(f"{OPTION_FLAGS[label]} keys of {label} {name}: {keys}")
         for conflict in conflicts:
             typer.echo(f"warning: {conflict}", err=True)

@@ -360,6 +360,8 @@ def _check_script(values: Mapping[str, Any]) -> None:
         # Options after the first unknown one are the script's; before it, this is a typo.
         raise UsageError(f"no such option: {script}. See 'rallypoint run --help'.")
     if values.get("module"):
+        if values.get("no_python"):
+            raise UsageError("-m/--module and --no-python cannot be used together.")
         return  # resolved by the worker's interpreter, as with `python -m`
     if values.get("run_path") and not os.path.isabs(script):
         raise UsageError(f"--run-path needs an absolute script path, not {script!r}.")

@@ -46,6 +46,7 @@ class ConfigOption:
         default: the value when the key is not given.
         help: one line for humans.
         secret: never print the value (passwords).
+        choices: when not empty, the only values allowed (compared after conversion).
     """
 
     name: str
@@ -53,6 +54,7 @@ class ConfigOption:
     default: Any = None
     help: str = ""
     secret: bool = False
+    choices: tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
         if self.type not in (str, int, float, bool):
@@ -60,7 +62,22 @@ class ConfigOption:
 
     def parse(self, raw: str) -> Any:
         """Convert the text ``raw`` to this option's type; raise ``ValueError`` with the reason."""
-        text = raw.strip()
+        value = self._convert(raw.strip())
+        if self.choices and value not in self.choices:
+            raise ValueError(f"expected one of {', '.join(map(str, self.choices))}")
+        return value
+
+    def to_dict(self) -> dict[str, Any]:
+        """The declaration as JSON-friendly data, for ``rallypoint plugins --json``."""
+        return {
+            "name": self.name,
+            "type": self.type.__name__,
+            "default": None if self.secret else self.default,
+            "help": self.help,
+            "choices": list(self.choices),
+        }
+
+    def _convert(self, text: str) -> Any:
         if self.type is bool:
             if text.lower() in _TRUE:
                 return True

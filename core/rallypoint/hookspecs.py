@@ -215,34 +215,35 @@ def on_agent_started(run: RunInfo) -> None:
 
 
 @hookspec
-def on_rendezvous_completed(run: RunInfo, round: RoundInfo) -> None:
+def on_rendezvous_completed(run: RunInfo, round_info: RoundInfo) -> None:
     """A rendezvous round completed: membership, ranks and master address are agreed.
 
     Args:
         run: the run.
-        round: the round's number, this node's group rank, the world sizes and members.
+        round_info: the round's number, this node's group rank, the world sizes and members.
 
     Example::
 
         @hookimpl
-        def on_rendezvous_completed(run, round):
-            print(f"round {round.round}: node rank {round.group_rank}/{round.group_world_size}")
+        def on_rendezvous_completed(run, round_info):
+            r = round_info
+            print(f"round {r.round}: node rank {r.group_rank} of {r.group_world_size}")
     """
 
 
 @hookspec
-def on_workers_started(run: RunInfo, round: RoundInfo, pids: tuple[int, ...]) -> None:
+def on_workers_started(run: RunInfo, round_info: RoundInfo, pids: tuple[int, ...]) -> None:
     """This node's workers were started for a round.
 
     Args:
         run: the run.
-        round: the round the workers belong to.
+        round_info: the round the workers belong to.
         pids: the process ids of the workers, ordered by local rank.
 
     Example::
 
         @hookimpl
-        def on_workers_started(run, round, pids):
+        def on_workers_started(run, round_info, pids):
             print(f"started {len(pids)} workers: {pids}")
     """
 
@@ -257,9 +258,12 @@ def on_worker_failed(run: RunInfo, failure: WorkerFailure) -> None:
 
     Example::
 
+        import logging
+
         @hookimpl
         def on_worker_failed(run, failure):
-            page_oncall(f"{run.run_id}: rank {failure.rank} died ({failure.signal or failure.exit_code})")
+            how = failure.signal or f"exit code {failure.exit_code}"
+            logging.getLogger("oncall").error("%s: rank %d died (%s)", run.run_id, failure.rank, how)
     """
 
 

@@ -110,13 +110,14 @@ class PluginManager(pluggy.PluginManager):
         return True
 
     def mark_broken(self, name: str, error: BaseException | str) -> None:
-        """Unregister plugin ``name`` and record why it cannot be used."""
+        """Unregister plugin ``name``, forget what it registered and record why."""
         info = self.infos[name]
         info.status = BROKEN
         info.error = _one_line(error)
         plugin = self.get_plugin(name)
         if plugin is not None:
             self.unregister(plugin)
+        self.registry.forget(name)
 
     def call_each(self, hook_name: str, **kwargs: Any) -> Iterator[tuple[str, list[Any] | None]]:
         """Call one hook plugin by plugin, yielding ``(plugin name, results)``.
@@ -154,6 +155,10 @@ def _names(value: str) -> set[str]:
     return {part.strip() for part in value.split(",") if part.strip()}
 
 
+def _dist_name(entry_point: importlib.metadata.EntryPoint) -> str:
+    return entry_point.dist.name if entry_point.dist else "?"
+
+
 def _entry_points() -> list[importlib.metadata.EntryPoint]:
     return sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
 
@@ -168,7 +173,7 @@ def build_plugin_manager(environ: Mapping[str, str] | None = None) -> PluginMana
     allowlist = _names(env["RALLYPOINT_LOAD_PLUGINS"]) if "RALLYPOINT_LOAD_PLUGINS" in env else None
 
     pm = PluginManager()
-    if env.get("RALLYPOINT_TRACE_PLUGINS", "").strip().lower() not in ("", "0", "false", "no"):
+    if env.get("RALLYPOINT_TRACE_PLUGINS", "").strip().lower() in ("1", "true", "yes", "on"):
         pm.trace.root.setwriter(sys.stderr.write)
         pm.enable_tracing()
 
@@ -180,13 +185,24 @@ def build_plugin_manager(environ: Mapping[str, str] | None = None) -> PluginMana
             continue
         pm.add_plugin(importlib.import_module(module_name), info)
 
-    for entry_point in _entry_points():
+    entry_points = _entry_points()
+    claimed: dict[str, set[str]] = {}
+    for entry_point in entry_points:
+        claimed.setdefault(entry_point.name, set()).add(_dist_name(entry_point))
+    for entry_point in entry_points:
         dist = entry_point.dist
-        info = PluginInfo(
-            entry_point.name,
-            dist.name if dist else "?",
-            dist.version if dist else "?",
-        )
+        info = PluginInfo(entry_point.name, _dist_name(entry_point), dist.version if dist else "?")
+        rivals = sorted({d for d in claimed[entry_point.name] if d != info.distribution})
+        if rivals:
+            # Two distributions claim one entry-point name: neither is loaded, as with names.
+            info.name = f"{entry_point.name} ({info.distribution})"
+            info.status = BROKEN
+            info.error = (
+                f"entry point name {entry_point.name!r} is also used by {', '.join(rivals)}; "
+                "uninstall one of them"
+            )
+            pm.infos[info.name] = info
+            continue
         if entry_point.name in disabled:
             info.status, info.error = DISABLED, "disabled by RALLYPOINT_DISABLE_PLUGINS"
             pm.infos[info.name] = info

@@ -98,7 +98,9 @@ class Registry:
                     registry._add(kind, item.name, registered)
                     info.registered.setdefault(kind.label, []).append(item.name)
         registry._check_schemes()
-        registry._drop_plugins({n for n, i in pm.infos.items() if i.status != "active"})
+        for name, info in pm.infos.items():
+            if info.status != "active":
+                registry.forget(name)
         return registry
 
     def _add(self, kind: Kind[Any], key: str, registered: Registered[Any]) -> None:
@@ -124,11 +126,24 @@ class Registry:
                 for registered in providers:
                     table.pop(registered.item.name, None)
 
-    def _drop_plugins(self, plugin_names: set[str]) -> None:
-        """Forget registrations of plugins that turned out broken after registering."""
-        for table in self._entries.values():
-            for key in [k for k, r in table.items() if r.plugin in plugin_names]:
+    def forget(self, plugin_name: str) -> None:
+        """Drop every registration of a plugin found broken after it registered.
+
+        A name it shared with another plugin is no longer in conflict: the other keeps it.
+        """
+        for hook, table in self._entries.items():
+            for key in [k for k, r in table.items() if r.plugin == plugin_name]:
                 del table[key]
+            conflicts = self._conflicts[hook]
+            for key, providers in list(conflicts.items()):
+                remaining = [r for r in providers if r.plugin != plugin_name]
+                if len(remaining) == len(providers):
+                    continue
+                del conflicts[key]
+                if len(remaining) == 1:
+                    table[remaining[0].item.name] = remaining[0]
+                elif remaining:
+                    conflicts[key] = remaining
 
     # --- lookups ----------------------------------------------------------------------
 

@@ -57,7 +57,7 @@ class JsonLinesSink:
 
 
 def _log_sink(context: SinkContext) -> LogSink:
-    level = logging.getLevelName(str(context.options["log_level"]).upper())
+    level = logging.getLevelName(str(context.options["log_level"]))
     return LogSink(level if isinstance(level, int) else logging.INFO)
 
 
@@ -72,7 +72,15 @@ def register_metrics_sinks() -> list[MetricsSink]:
             "log",
             "events as log lines on the rallypoint.metrics logger",
             _log_sink,
-            options=(ConfigOption("log_level", str, "INFO", "logging level of the records"),),
+            options=(
+                ConfigOption(
+                    "log_level",
+                    str,
+                    "INFO",
+                    "logging level of the records",
+                    choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                ),
+            ),
         ),
         MetricsSink(
             "jsonl",

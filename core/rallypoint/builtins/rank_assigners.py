@@ -6,6 +6,7 @@ All three are deterministic functions of the node list, so every agent computes 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,12 +23,20 @@ def _ranks_in_order(nodes: Sequence[NodeSpec], key: Callable[[NodeSpec], Any]) -
     return ranks
 
 
-def _host_and_id(node: NodeSpec) -> tuple[str, str]:
-    return (node.host, node.node_id)
+def natural_key(text: str) -> tuple[tuple[int, int | str], ...]:
+    """Sort key that orders numbers inside text by value: node7 < node66, 10.0.0.2 < 10.0.0.10."""
+    return tuple(
+        (0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", text) if part
+    )
+
+
+def _host_and_id(node: NodeSpec) -> tuple[Any, ...]:
+    return (natural_key(node.host), natural_key(node.node_id))
 
 
 def ordered(nodes: Sequence[NodeSpec]) -> list[int]:
-    """Ranks by host address, then node id: torchrun's dynamic rendezvous sorts the same way."""
+    """Ranks by host address, then node id, numbers compared by value (torchrun sorts by
+    address too, as text)."""
     return _ranks_in_order(nodes, _host_and_id)
 
 
@@ -61,7 +70,12 @@ def topology(nodes: Sequence[NodeSpec]) -> list[int]:
     ("zone","1"))``), so nodes sharing every label are neighbours, and within that those
     sharing the first keys. Unlabelled nodes come first.
     """
-    return _ranks_in_order(nodes, lambda n: (tuple(sorted(n.labels.items())), *_host_and_id(n)))
+
+    def key(node: NodeSpec) -> tuple[Any, ...]:
+        labels = tuple((name, natural_key(value)) for name, value in sorted(node.labels.items()))
+        return (labels, *_host_and_id(node))
+
+    return _ranks_in_order(nodes, key)
 
 
 @hookimpl

@@ -17,10 +17,7 @@ def register_rendezvous_backends() -> list[RendezvousBackend]:
         RendezvousBackend(
             name="static",
             description="fixed membership: every node passes --node-rank; no elasticity",
-            options=(
-                ConfigOption("join_timeout", float, 600.0, "seconds to wait for every node"),
-                ConfigOption("rank", int, None, "this node's rank (same as --node-rank)"),
-            ),
+            options=(ConfigOption("join_timeout", float, 600.0, "seconds to wait for every node"),),
             endpoint_required=False,
         ),
         RendezvousBackend(
