@@ -31,11 +31,35 @@ def test_max_restarts_counts_like_torchrun() -> None:
     assert not max_restarts(RestartRequest(0, 0, FAILURE)).restart
 
 
+BACKOFF = {"initial_delay": 1.0, "factor": 2.0, "max_delay": 5.0, "jitter": 0.0, "reset_after": 60}
+
+
+def backoff_delay(uptimes: list[float], **options: float) -> float:
+    request = RestartRequest(len(uptimes) - 1, 100, FAILURE, {**BACKOFF, **options}, tuple(uptimes))
+    decision = backoff(request)
+    assert decision.restart
+    return decision.delay
+
+
 def test_backoff_grows_and_is_capped() -> None:
-    options = {"initial_delay": 1.0, "factor": 2.0, "max_delay": 5.0}
-    delays = [backoff(RestartRequest(done, 10, FAILURE, options)).delay for done in range(5)]
-    assert delays == [1.0, 2.0, 4.0, 5.0, 5.0]
-    assert not backoff(RestartRequest(10, 10, FAILURE, options)).restart
+    quick = [1.0] * 5
+    assert [backoff_delay(quick[: n + 1]) for n in range(5)] == [1.0, 2.0, 4.0, 5.0, 5.0]
+    assert not backoff(RestartRequest(10, 10, FAILURE, BACKOFF, (1.0,) * 11)).restart
+
+
+def test_backoff_resets_after_a_healthy_period() -> None:
+    # Two quick failures, then an attempt that ran 90 s (healthy), then a quick one.
+    assert backoff_delay([1.0, 1.0]) == 2.0
+    assert backoff_delay([1.0, 1.0, 90.0]) == 1.0
+    assert backoff_delay([1.0, 1.0, 90.0, 1.0]) == 2.0
+
+
+def test_backoff_jitter_spreads_delays_within_bounds() -> None:
+    delays = {backoff_delay([1.0, 1.0], jitter=0.5) for _ in range(50)}
+    assert len(delays) > 1
+    assert all(1.0 <= delay <= 3.0 for delay in delays)
+    # Jitter never exceeds the cap.
+    assert all(backoff_delay([1.0] * 8, jitter=0.5) <= 5.0 for _ in range(50))
 
 
 def test_never_ignores_max_restarts() -> None:

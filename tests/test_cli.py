@@ -118,19 +118,22 @@ def test_option_without_value_is_a_one_line_usage_error() -> None:
     assert_one_line_error(rallypoint("run", "--nnodes"), "'--nnodes' requires an argument")
 
 
-def test_valid_configuration_says_launching_is_not_built_yet(script: str) -> None:
-    # Until the agent lands: validation passes, then one clear sentence and exit code 1.
+def test_a_valid_command_line_runs_the_script(script: str) -> None:
     result = rallypoint("run", "--standalone", "--nproc-per-node", "2", script, "--lr", "0.1")
-    assert result.returncode == 1
-    assert "cannot launch workers yet" in result.stderr
-    assert "Traceback" not in result.stderr
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.splitlines()) == ["[default0]:training", "[default1]:training"]
 
 
 def test_underscore_spellings_are_accepted(script: str) -> None:
     result = rallypoint(
         "run", "--nproc_per_node=2", "--rdzv_backend=c10d", "--max_restarts=3", script
     )
-    assert "cannot launch workers yet" in result.stderr
+    assert result.returncode == 0, result.stderr
+
+
+def test_multi_node_jobs_are_refused_until_the_rendezvous_lands(script: str) -> None:
+    result = rallypoint("run", "--nnodes", "1:2", "--rdzv-backend", "c10d", script)
+    assert_one_line_error(result, "--nnodes 1:2", "multi-node rendezvous")
 
 
 def test_environment_defaults_and_their_precedence(script: str) -> None:

@@ -124,7 +124,13 @@ def test_backend_options_are_typed_with_defaults(script: str) -> None:
     assert cfg.rdzv_conf["join_timeout"] == 5.0
     assert cfg.rdzv_conf["is_host"] is False
     assert cfg.rdzv_conf["last_call_timeout"] == 30.0
-    assert cfg.restart_conf == {"initial_delay": 1.0, "factor": 2.0, "max_delay": 10.0}
+    assert cfg.restart_conf == {
+        "initial_delay": 1.0,
+        "factor": 2.0,
+        "max_delay": 10.0,
+        "jitter": 0.1,
+        "reset_after": 300.0,
+    }
     assert cfg.metrics == ("jsonl", "log")
     assert cfg.metrics_conf["path"] == "/tmp/m.jsonl"
     assert cfg.node_labels == {"rack": "r1"}

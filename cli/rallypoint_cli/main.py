@@ -7,6 +7,7 @@ stderr and a non-zero exit code (2 for usage errors), never as a traceback.
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -52,7 +53,7 @@ def build_app(pm: PluginManager) -> typer.Typer:
     ) -> None:
         """Fault-tolerant, elastic launcher for PyTorch distributed training."""
 
-    run_command.register(app, pm.registry)
+    run_command.register(app, pm)
     plugins_command.register(app, pm)
     _add_plugin_commands(app, pm)
     return app
@@ -87,6 +88,8 @@ def _add_plugin_commands(app: typer.Typer, pm: PluginManager) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI with ``argv`` (default: ``sys.argv[1:]``) and return the exit code."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="[rallypoint] %(message)s")
     try:
         command = typer.main.get_command(build_app(get_plugin_manager()))
         result = command.main(

@@ -13,7 +13,7 @@ from typing import Any
 import typer
 
 from rallypoint.config import LaunchConfig
-from rallypoint.errors import RallypointError
+from rallypoint.plugins import PluginManager
 from rallypoint.registry import (
     METRICS_SINKS,
     RANK_ASSIGNERS,
@@ -40,8 +40,9 @@ def _choices(registry: Registry, kind: Kind[Any]) -> str:
     return ", ".join(registry.names(kind)) or "(none installed)"
 
 
-def register(app: typer.Typer, registry: Registry) -> None:
-    """Add ``run`` to ``app``; its help lists the names ``registry`` holds."""
+def register(app: typer.Typer, pm: PluginManager) -> None:
+    """Add ``run`` to ``app``; its help lists the names the plugins of ``pm`` register."""
+    registry = pm.registry
     backends = _choices(registry, RENDEZVOUS_BACKENDS)
     policies = _choices(registry, RESTART_POLICIES)
     assigners = _choices(registry, RANK_ASSIGNERS)
@@ -131,8 +132,7 @@ def register(app: typer.Typer, registry: Registry) -> None:
         """Launch SCRIPT on this node's workers, like torchrun, and keep it running."""
         flags = dict(ctx.params)
         flags["node_labels"] = flags.pop("node_label") or ()
-        LaunchConfig.from_flags(registry, **flags)
-        raise RallypointError(
-            "the configuration is valid, but this version cannot launch workers yet: "
-            "the elastic agent is the next step on the roadmap (see README.md, Status)."
-        )
+        config = LaunchConfig.from_flags(pm.registry, **flags)
+        from rallypoint.agent.elastic import Agent
+
+        raise typer.Exit(Agent(config, pm).run_job())

@@ -144,14 +144,17 @@ class RestartRequest:
     Attributes:
         restarts_done: restarts already made in this run (membership changes not counted).
         max_restarts: the ``--max-restarts`` value.
-        failure: the first worker that failed.
+        failure: the first worker that failed (the root cause).
         options: the policy's ``--restart-conf`` values, every declared key present.
+        attempt_uptimes: how long each failed attempt of this run ran, in seconds, oldest
+            first; the last one is the attempt that just failed.
     """
 
     restarts_done: int
     max_restarts: int
     failure: WorkerFailure | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
+    attempt_uptimes: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

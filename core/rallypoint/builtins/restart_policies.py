@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from rallypoint import hookimpl
 from rallypoint.extensions import ConfigOption, RestartDecision, RestartPolicy, RestartRequest
 
@@ -20,14 +22,29 @@ def max_restarts(request: RestartRequest) -> RestartDecision:
 
 
 def backoff(request: RestartRequest) -> RestartDecision:
-    """Like ``max-restarts``, waiting ``initial_delay * factor**n`` seconds, at most ``max_delay``."""
+    """Like ``max-restarts``, but wait longer after each failure in a row.
+
+    The n-th failure in a row waits ``initial_delay * factor**(n-1)`` seconds, at most
+    ``max_delay``, spread by +/- ``jitter`` (a fraction) so that many nodes do not retry in
+    lockstep. An attempt that ran for ``reset_after`` seconds or more was healthy: the next
+    failure counts as the first in a row again.
+    """
     stop = _limit_reached(request)
     if stop:
         return stop
     options = request.options
-    delay = options["initial_delay"] * options["factor"] ** request.restarts_done
-    delay = min(float(options["max_delay"]), delay)
-    return RestartDecision(True, delay, f"restarting after {delay:g} s")
+    in_a_row = 0
+    for uptime in reversed(request.attempt_uptimes or (0.0,)):
+        in_a_row += 1
+        if uptime >= options["reset_after"]:
+            break
+    delay = min(
+        options["max_delay"], options["initial_delay"] * options["factor"] ** (in_a_row - 1)
+    )
+    jitter = options["jitter"]
+    if jitter:
+        delay = min(options["max_delay"], delay * random.uniform(1 - jitter, 1 + jitter))
+    return RestartDecision(True, delay, f"restarting after {delay:.2f} s")
 
 
 def never(request: RestartRequest) -> RestartDecision:
@@ -47,6 +64,10 @@ def register_restart_policies() -> list[RestartPolicy]:
                 ConfigOption("initial_delay", float, 1.0, "seconds before the first restart"),
                 ConfigOption("factor", float, 2.0, "delay multiplier per restart"),
                 ConfigOption("max_delay", float, 60.0, "longest delay in seconds"),
+                ConfigOption("jitter", float, 0.1, "random spread of each delay, as a fraction"),
+                ConfigOption(
+                    "reset_after", float, 300.0, "seconds of healthy running that reset the delay"
+                ),
             ),
         ),
         RestartPolicy("never", "fail on the first worker failure", never),

@@ -1,0 +1,1 @@
+"""The agent that runs on every node: rendezvous, workers, monitoring, restarts."""

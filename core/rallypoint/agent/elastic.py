@@ -1,0 +1,298 @@
+"""The agent's state machine.
+
+    rendezvous -> start workers -> monitor --(all exited 0)--> exit barrier -> stop
+                       ^              |
+                       |              +--(a worker failed)--> restart policy --(give up)--> stop
+                       |              |                            |
+                       +--------------+--(restart, or a node joined or left)
+
+A membership change restarts the workers without using up a restart; a failure asks the
+restart policy. Every transition is an event (see ``EventBus``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import os
+import select
+import shutil
+import signal
+import socket
+import tempfile
+import time
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from rallypoint import events
+from rallypoint.agent.environment import WorkerSpec, worker_command, worker_environment
+from rallypoint.agent.eventbus import EventBus
+from rallypoint.agent.failures import FailureReport, build_report, describe_exit, failure_of
+from rallypoint.agent.workers import WorkerGroup, output_rule
+from rallypoint.config import LaunchConfig
+from rallypoint.events import RunInfo
+from rallypoint.extensions import EventSink, NodeSpec, RestartRequest, SinkContext
+from rallypoint.plugins import PluginManager
+from rallypoint.registry import METRICS_SINKS, RESTART_POLICIES
+from rallypoint.rendezvous.handler import Assignment, RendezvousHandler
+from rallypoint.rendezvous.handlers import create_handler
+
+logger = logging.getLogger("rallypoint.agent")
+
+#: Exit codes of ``rallypoint run``: usage errors are 2; a signal N gives 128 + N.
+EXIT_SUCCESS = 0
+EXIT_WORKER_FAILURE = 1
+
+
+class Outcome(enum.Enum):
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    MEMBERSHIP_CHANGED = "membership_changed"
+    SIGNALLED = "signalled"
+
+
+class Agent:
+    """Runs one node's share of a job until it succeeds, fails for good or is signalled."""
+
+    def __init__(self, config: LaunchConfig, pm: PluginManager) -> None:
+        self.config = config
+        self.pm = pm
+        hostname = socket.gethostname()
+        self.node_id = f"{hostname}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+        self.run = RunInfo(config.rdzv_id, self.node_id, hostname, config.role)
+        self.policy = pm.registry.get(RESTART_POLICIES, config.restart_policy)
+        self.handler: RendezvousHandler = create_handler(
+            config,
+            pm.registry,
+            NodeSpec(self.node_id, host=config.local_addr or hostname, labels=config.node_labels),
+        )
+        self.run_dir, self._temporary_run_dir = _run_directory(config)
+        self.bus = EventBus(self.run, pm, self._create_sinks(), config.event_log)
+        self.signalled: signal.Signals | None = None
+        self._wake_read, self._wake_write = socket.socketpair()
+        self._wake_read.setblocking(False)
+        self._wake_write.setblocking(False)
+
+    def _create_sinks(self) -> list[EventSink]:
+        sinks: list[EventSink] = []
+        for name in self.config.metrics:
+            sink = self.pm.registry.get(METRICS_SINKS, name)
+            declared = {option.name for option in sink.options}
+            options = {k: v for k, v in self.config.metrics_conf.items() if k in declared}
+            sinks.append(sink.create(SinkContext(self.run, options)))
+        return sinks
+
+    # --- the run ------------------------------------------------------------------------
+
+    def run_job(self) -> int:
+        """Run until done; return the exit code for ``rallypoint run``."""
+        previous = self._install_signal_handlers()
+        exit_code, reason = EXIT_WORKER_FAILURE, "the agent failed"
+        try:
+            exit_code, reason = self._loop()
+        finally:
+            self.bus.emit(events.AGENT_STOPPING, exit_code=exit_code, reason=reason)
+            self.handler.close()
+            self.bus.close()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self._wake_read.close()
+            self._wake_write.close()
+            if exit_code == EXIT_SUCCESS and self._temporary_run_dir:
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+        return exit_code
+
+    def _loop(self) -> tuple[int, str]:
+        config = self.config
+        self.bus.emit(events.AGENT_STARTED, nproc_per_node=config.nproc_per_node)
+        restarts = 0
+        uptimes: list[float] = []
+        nodes: int | None = None
+        while True:
+            self.bus.emit(events.RENDEZVOUS_STARTED, restart_count=restarts)
+            began = time.monotonic()
+            assignment = self.handler.next_round()
+            info = assignment.info
+            self.bus.emit(
+                events.RENDEZVOUS_COMPLETED,
+                **asdict(info),
+                duration_seconds=time.monotonic() - began,
+            )
+            if nodes is not None and nodes != info.group_world_size:
+                self.bus.emit(
+                    events.SCALE_CHANGED, old_nodes=nodes, new_nodes=info.group_world_size
+                )
+            nodes = info.group_world_size
+
+            group = self._start_workers(assignment, restarts)
+            started = time.monotonic()
+            self.bus.emit(events.WORKERS_STARTED, **asdict(info), pids=list(group.pids))
+            outcome = self._monitor(group)
+
+            if outcome is Outcome.SUCCEEDED:
+                group.close()
+                self.handler.exit_barrier(config.exit_barrier_timeout)
+                return EXIT_SUCCESS, "all workers finished"
+            if outcome is Outcome.SIGNALLED:
+                assert self.signalled is not None
+                logger.info(
+                    "received %s: stopping workers (%.0f s before SIGKILL)",
+                    self.signalled.name,
+                    config.shutdown_timeout,
+                )
+                group.stop(self.signalled, config.shutdown_timeout)
+                return 128 + int(self.signalled), f"stopped by {self.signalled.name}"
+            if outcome is Outcome.MEMBERSHIP_CHANGED:
+                group.stop(signal.SIGTERM, config.shutdown_timeout)
+                self.bus.emit(events.WORKERS_RESTARTED, restart_count=restarts, cause="membership")
+                continue
+
+            report = self._handle_failure(group, restarts)
+            uptimes.append(time.monotonic() - started)
+            decision = self.policy.decide(
+                RestartRequest(
+                    restarts_done=restarts,
+                    max_restarts=config.max_restarts,
+                    failure=report.root,
+                    options=config.restart_conf,
+                    attempt_uptimes=tuple(uptimes),
+                )
+            )
+            root = f"rank {report.root.rank} {describe_exit(report.root)}"
+            if not decision.restart:
+                self._report(report)
+                return EXIT_WORKER_FAILURE, f"{root}; {decision.reason}"
+            restarts += 1
+            logger.info(
+                "%s; restart %d of %d%s",
+                root,
+                restarts,
+                config.max_restarts,
+                f" in {decision.delay:.1f} s" if decision.delay else "",
+            )
+            if decision.delay and self._sleep(decision.delay):
+                assert self.signalled is not None
+                return 128 + int(self.signalled), f"stopped by {self.signalled.name}"
+            self.bus.emit(events.WORKERS_RESTARTED, restart_count=restarts, cause="failure")
+
+    # --- workers ------------------------------------------------------------------------
+
+    def _start_workers(self, assignment: Assignment, restarts: int) -> WorkerGroup:
+        config = self.config
+        attempt_dir = self.run_dir / f"attempt_{restarts}"
+        specs = [
+            WorkerSpec(
+                local_rank=local_rank,
+                rank=assignment.rank_offset + local_rank,
+                error_file=str(attempt_dir / str(local_rank) / "error.json"),
+            )
+            for local_rank in range(config.nproc_per_node)
+        ]
+        environments = [
+            worker_environment(
+                config,
+                assignment,
+                spec,
+                run_id=config.rdzv_id,
+                node_id=self.node_id,
+                restart_count=restarts,
+            )
+            for spec in specs
+        ]
+        shown = config.local_ranks_filter
+        rules = [
+            output_rule(
+                spec.local_rank,
+                dict(config.redirects),
+                dict(config.tee),
+                shown is None or spec.local_rank in shown,
+            )
+            for spec in specs
+        ]
+        log_dirs = [attempt_dir / str(spec.local_rank) for spec in specs]
+        return WorkerGroup.start(
+            worker_command(config), specs, environments, rules, log_dirs, config.role
+        )
+
+    def _monitor(self, group: WorkerGroup) -> Outcome:
+        """Watch the workers until they all succeed, one fails, a node arrives or a signal."""
+        while True:
+            if self.signalled is not None:
+                return Outcome.SIGNALLED
+            group.reap()
+            if any(w.returncode not in (None, 0) for w in group.workers):
+                return Outcome.FAILED
+            if not group.running():
+                return Outcome.SUCCEEDED
+            if self.handler.nodes_waiting() > 0:
+                return Outcome.MEMBERSHIP_CHANGED
+            group.wait(self.config.monitor_interval, self._wake_read.fileno())
+            self._drain_wakeups()
+
+    def _handle_failure(self, group: WorkerGroup, restarts: int) -> FailureReport:
+        """Stop the surviving workers and describe what failed."""
+        now_wall, now_mono = time.time(), time.monotonic()
+        failed = [w for w in group.workers if w.returncode not in (None, 0)]
+        failures = [failure_of(w, now_wall - (now_mono - (w.exited or now_mono))) for w in failed]
+        group.stop(signal.SIGTERM, self.config.shutdown_timeout)
+        group.finish_output()
+        for failure in failures:
+            self.bus.emit(events.WORKER_FAILED, **asdict(failure))
+        return build_report(
+            group.workers,
+            failures,
+            run_id=self.config.rdzv_id,
+            restart_count=restarts,
+            max_restarts=self.config.max_restarts,
+        )
+
+    def _report(self, report: FailureReport) -> None:
+        path = self.run_dir / "failure.json"
+        report.write(path)
+        logger.error("%s\n  failure report: %s", report.summary(), path)
+
+    # --- signals ------------------------------------------------------------------------
+
+    def _install_signal_handlers(self) -> dict[signal.Signals, Any]:
+        previous: dict[signal.Signals, Any] = {}
+        for name in self.config.signals_to_handle:
+            sig = signal.Signals[name]
+            try:
+                previous[sig] = signal.signal(sig, self._on_signal)
+            except (OSError, ValueError):  # not in the main thread, or not catchable
+                continue
+        return previous
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.signalled is None:
+            self.signalled = signal.Signals(signum)
+        with contextlib.suppress(OSError):
+            self._wake_write.send(b"\0")
+
+    def _drain_wakeups(self) -> None:
+        try:
+            while self._wake_read.recv(64):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def _sleep(self, seconds: float) -> bool:
+        """Sleep, waking early on a signal; return whether a signal arrived."""
+        deadline = time.monotonic() + seconds
+        while self.signalled is None and time.monotonic() < deadline:
+            select.select([self._wake_read], [], [], max(0.0, deadline - time.monotonic()))
+            self._drain_wakeups()
+        return self.signalled is not None
+
+
+def _run_directory(config: LaunchConfig) -> tuple[Path, bool]:
+    """Where error files, logs and the failure report of this run go; and if it is temporary."""
+    if config.log_dir:
+        path = Path(config.log_dir) / f"{config.rdzv_id}_{uuid.uuid4().hex[:8]}"
+        path.mkdir(parents=True, exist_ok=True)
+        return path, False
+    return Path(tempfile.mkdtemp(prefix=f"rallypoint-{config.rdzv_id}-")), True

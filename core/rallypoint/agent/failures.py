@@ -1,0 +1,150 @@
+"""Failure reports: which worker failed first, how, and the traceback it left.
+
+The root cause is the failure with the earliest timestamp (from the worker's error file
+when it wrote one, else when the agent saw it exit), as in torchrun. Where a worker left
+no error file, the last lines it wrote to stderr stand in for the traceback, so a plain
+uncaught exception is reported without ``@record``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from rallypoint.agent.workers import Worker
+from rallypoint.events import WorkerFailure
+
+
+@dataclass(frozen=True)
+class FailureReport:
+    """Everything known about the failures of one attempt."""
+
+    run_id: str
+    host: str
+    restart_count: int
+    max_restarts: int
+    root: WorkerFailure
+    traceback: str
+    failures: tuple[WorkerFailure, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "host": self.host,
+            "restart_count": self.restart_count,
+            "max_restarts": self.max_restarts,
+            "root_cause": {**asdict(self.root), "traceback": self.traceback},
+            "failures": [asdict(failure) for failure in self.failures],
+        }
+
+    def summary(self) -> str:
+        """A few lines for people: the root cause first, its traceback, then the rest."""
+        root = self.root
+        lines = [
+            f"workers failed in run {self.run_id} "
+            f"(attempt {self.restart_count}, --max-restarts {self.max_restarts})",
+            f"  root cause: rank {root.rank} (local rank {root.local_rank}) on {self.host}, "
+            f"pid {root.pid}: {describe_exit(root)}",
+        ]
+        if root.message:
+            lines.append(f"  error: {root.message}")
+        if self.traceback:
+            lines.append("  traceback:")
+            lines += ["    " + line for line in self.traceback.rstrip().splitlines()]
+        for other in self.failures:
+            if other is not root:
+                lines.append(f"  also: rank {other.rank}: {describe_exit(other)}")
+        return "\n".join(lines)
+
+    def write(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+
+
+def describe_exit(failure: WorkerFailure) -> str:
+    if failure.signal:
+        return f"killed by {failure.signal}"
+    return f"exit code {failure.exit_code}"
+
+
+def failure_of(worker: Worker, wall_time: float) -> WorkerFailure:
+    """Describe a worker that ended with a non-zero status."""
+    code = worker.returncode
+    signal_name = None
+    if code is not None and code < 0:
+        try:
+            signal_name = signal.Signals(-code).name
+        except ValueError:
+            signal_name = f"signal {-code}"
+    message, timestamp = _read_error_file(worker.spec.error_file)
+    return WorkerFailure(
+        local_rank=worker.spec.local_rank,
+        rank=worker.spec.rank,
+        pid=worker.pid,
+        exit_code=None if signal_name else code,
+        signal=signal_name,
+        message=message,
+        timestamp=timestamp or wall_time,
+    )
+
+
+def build_report(
+    workers: list[Worker],
+    failures: list[WorkerFailure],
+    *,
+    run_id: str,
+    restart_count: int,
+    max_restarts: int,
+) -> FailureReport:
+    root = min(failures, key=lambda f: f.timestamp)
+    worker = next(w for w in workers if w.spec.local_rank == root.local_rank)
+    trace = _read_traceback(worker.spec.error_file) or "".join(worker.stderr_tail)
+    return FailureReport(
+        run_id=run_id,
+        host=socket.gethostname(),
+        restart_count=restart_count,
+        max_restarts=max_restarts,
+        root=root,
+        traceback=trace,
+        failures=tuple(failures),
+    )
+
+
+def _load(path: str) -> dict[str, Any] | None:
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _read_error_file(path: str) -> tuple[str, float | None]:
+    """The message and timestamp a worker wrote (torch's format), if it wrote one."""
+    data = _load(path)
+    if data is None:
+        return "", None
+    message = data.get("message")
+    if isinstance(message, dict):
+        extra = message.get("extraInfo") or {}
+        try:
+            timestamp = float(extra.get("timestamp", 0)) or None
+        except (TypeError, ValueError):
+            timestamp = None
+        return str(message.get("message", "")), timestamp
+    return str(message or ""), None
+
+
+def _read_traceback(path: str) -> str:
+    data = _load(path)
+    message = data.get("message") if data else None
+    if isinstance(message, dict):
+        return str((message.get("extraInfo") or {}).get("py_callstack", ""))
+    return ""

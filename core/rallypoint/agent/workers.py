@@ -1,0 +1,267 @@
+"""Worker processes: start them, route their output, notice when they end, stop them.
+
+Workers never outlive the agent: each is started with ``PR_SET_PDEATHSIG`` = SIGKILL (the
+kernel kills it if the agent dies, even by SIGKILL) and in a session of its own, so that
+stopping a worker reaches every process it started. Exits are noticed through pidfds the
+moment they happen, not by a polling sleep.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from rallypoint.agent.environment import WorkerSpec
+
+_PR_SET_PDEATHSIG = 1
+_TAIL_LINES = 60
+_STDOUT, _STDERR = 1, 2
+
+_prctl: Any
+try:
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux: workers are still stopped by the agent
+    _prctl = None
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Runs in the child between fork and exec: tie the worker's life to the agent's."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the agent died before prctl took effect
+        os._exit(1)
+
+
+@dataclass(frozen=True)
+class OutputRule:
+    """Where one worker's output goes (torchrun's ``--redirects``, ``--tee``, filter)."""
+
+    console: int  # streams shown on the console, prefixed: bit 1 stdout, bit 2 stderr
+    files: int  # streams written to files in the worker's log directory
+
+
+def output_rule(
+    local_rank: int, redirects: dict[int, int], tee: dict[int, int], shown: bool
+) -> OutputRule:
+    """The rule for ``local_rank``: redirected streams leave the console, teed ones stay."""
+    redirect = redirects.get(local_rank, redirects.get(-1, 0))
+    copy = tee.get(local_rank, tee.get(-1, 0))
+    console = (_STDOUT | _STDERR) & ~redirect if shown else 0
+    return OutputRule(console=console, files=redirect | copy)
+
+
+@dataclass
+class Worker:
+    """One running (or finished) worker process."""
+
+    spec: WorkerSpec
+    process: subprocess.Popen[bytes]
+    started: float
+    pidfd: int | None = None
+    exited: float | None = None
+    stderr_tail: collections.deque[str] = field(
+        default_factory=lambda: collections.deque(maxlen=_TAIL_LINES)
+    )
+    pumps: list[threading.Thread] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
+
+class _Console:
+    """Serialises prefixed lines from many workers onto the agent's stdout and stderr."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def write(self, stream: IO[bytes], data: bytes) -> None:
+        with self.lock:
+            stream.write(data)
+            stream.flush()
+
+
+_console = _Console()
+
+
+def _pump(
+    source: IO[bytes],
+    prefix: bytes,
+    console: IO[bytes] | None,
+    file_path: Path | None,
+    tail: collections.deque[str] | None,
+) -> None:
+    """Copy one worker stream line by line to the console (prefixed), a file and a tail."""
+    sink = open(file_path, "ab") if file_path else None  # noqa: SIM115 - closed below
+    try:
+        for line in iter(source.readline, b""):
+            if console is not None:
+                _console.write(console, prefix + line)
+            if sink is not None:
+                sink.write(line)
+                sink.flush()
+            if tail is not None:
+                tail.append(line.decode("utf-8", "replace"))
+    except (OSError, ValueError):
+        pass  # the agent is going away; the worker dies with it
+    finally:
+        source.close()
+        if sink is not None:
+            sink.close()
+
+
+class WorkerGroup:
+    """The workers of this node for one attempt."""
+
+    def __init__(self, workers: Sequence[Worker]) -> None:
+        self.workers = list(workers)
+
+    @classmethod
+    def start(
+        cls,
+        command: Sequence[str],
+        specs: Sequence[WorkerSpec],
+        environments: Sequence[dict[str, str]],
+        rules: Sequence[OutputRule],
+        log_dirs: Sequence[Path],
+        role: str,
+    ) -> WorkerGroup:
+        """Start one process per spec, each with its environment and output rule."""
+        agent_pid = os.getpid()
+        workers: list[Worker] = []
+        try:
+            for spec, env, rule, log_dir in zip(specs, environments, rules, log_dirs, strict=True):
+                Path(spec.error_file).parent.mkdir(parents=True, exist_ok=True)
+                if rule.files:
+                    log_dir.mkdir(parents=True, exist_ok=True)
+                process = subprocess.Popen(
+                    list(command),
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                    preexec_fn=lambda: _die_with_parent(agent_pid),
+                )
+                worker = Worker(spec, process, time.monotonic())
+                worker.pidfd = _pidfd(process.pid)
+                prefix = f"[{role}{spec.local_rank}]:".encode()
+                for bit, pipe, console, name in (
+                    (_STDOUT, process.stdout, sys.stdout.buffer, "stdout.log"),
+                    (_STDERR, process.stderr, sys.stderr.buffer, "stderr.log"),
+                ):
+                    assert pipe is not None
+                    pump = threading.Thread(
+                        target=_pump,
+                        args=(
+                            pipe,
+                            prefix,
+                            console if rule.console & bit else None,
+                            log_dir / name if rule.files & bit else None,
+                            worker.stderr_tail if bit == _STDERR else None,
+                        ),
+                        name=f"rallypoint-{name[:6]}-{spec.local_rank}",
+                        daemon=True,
+                    )
+                    pump.start()
+                    worker.pumps.append(pump)
+                workers.append(worker)
+        except BaseException:
+            WorkerGroup(workers).stop(signal.SIGKILL, 0)
+            raise
+        return cls(workers)
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return tuple(worker.pid for worker in self.workers)
+
+    def reap(self) -> list[Worker]:
+        """Collect workers that have ended; return those that ended since the last call."""
+        ended = []
+        now = time.monotonic()
+        for worker in self.workers:
+            if worker.exited is None and worker.process.poll() is not None:
+                worker.exited = now
+                ended.append(worker)
+        return ended
+
+    def running(self) -> list[Worker]:
+        return [w for w in self.workers if w.exited is None]
+
+    def wait(self, timeout: float, wakeup_fd: int | None = None) -> None:
+        """Block until a worker ends, ``wakeup_fd`` is readable, or ``timeout`` passes."""
+        poller = select.poll()
+        watched = False
+        for worker in self.running():
+            if worker.pidfd is not None:
+                poller.register(worker.pidfd, select.POLLIN)
+                watched = True
+        if wakeup_fd is not None:
+            poller.register(wakeup_fd, select.POLLIN)
+        if not watched:
+            # No pidfds (old kernel): fall back to polling at the given interval.
+            timeout = min(timeout, 0.1)
+        with contextlib.suppress(InterruptedError):
+            poller.poll(max(0.0, timeout) * 1000)
+
+    def stop(self, sig: signal.Signals, timeout: float) -> None:
+        """Send ``sig`` to every worker's process group, wait ``timeout``, then SIGKILL."""
+        for worker in self.running():
+            _signal_group(worker.pid, sig)
+        deadline = time.monotonic() + timeout
+        while self.running() and time.monotonic() < deadline:
+            self.reap()
+            if self.running():
+                self.wait(min(0.05, deadline - time.monotonic()))
+        for worker in self.workers:
+            # Also reaches processes a worker started that are still in its group.
+            _signal_group(worker.pid, signal.SIGKILL)
+        for worker in self.workers:
+            # SIGKILL cannot be ignored; the bound only guards against a stuck kernel.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                worker.process.wait(timeout=5)
+        self.reap()
+        self.close()
+
+    def finish_output(self, timeout: float = 2.0) -> None:
+        """Wait, bounded, for the output of ended workers to be copied out."""
+        deadline = time.monotonic() + timeout
+        for worker in self.workers:
+            for pump in worker.pumps:
+                pump.join(max(0.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        for worker in self.workers:
+            if worker.pidfd is not None:
+                os.close(worker.pidfd)
+                worker.pidfd = None
+
+
+def _pidfd(pid: int) -> int | None:
+    opener = getattr(os, "pidfd_open", None)
+    if opener is None:
+        return None
+    try:
+        return int(opener(pid))
+    except OSError:
+        return None
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)

@@ -1,0 +1,246 @@
+"""The agent on one node, with real torch workers (gloo on CPU) and real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from launch import RALLYPOINT, clean_environment, rallypoint, torchrun, worker
+
+from servers import wait_until
+
+#: Variables that differ between any two launches (ports, ids, temporary paths), and the
+#: one rallypoint sets differently on purpose (docs/user-guide.md, "Worker environment").
+VARYING = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
+DIFFERENT_BY_DESIGN = {"TORCHELASTIC_USE_AGENT_STORE"}
+
+
+def envs(output: str) -> dict[int, dict[str, str]]:
+    rows = [json.loads(line.split(":", 1)[1]) for line in output.splitlines() if ":{" in line]
+    rows += [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    return {int(row["RANK"]): row for row in rows}
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes; its parent is gone or reaping it.
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def read_pids(directory: Path, count: int, timeout: float = 60) -> list[int]:
+    assert wait_until(lambda: len(list(directory.glob("*.pid"))) == count, timeout)
+    return [int(path.read_text()) for path in sorted(directory.glob("*.pid"))]
+
+
+def test_worker_environment_equals_torchrun() -> None:
+    ours = rallypoint("run", "--standalone", "--nproc-per-node", "2", worker("dump_env.py"))
+    theirs = torchrun("--standalone", "--nproc-per-node", "2", worker("dump_env.py"))
+    assert ours.returncode == 0, ours.stderr
+    assert theirs.returncode == 0, theirs.stderr
+    ours_by_rank, theirs_by_rank = envs(ours.stdout), envs(theirs.stdout)
+    assert sorted(ours_by_rank) == sorted(theirs_by_rank) == [0, 1]
+    for rank, expected in theirs_by_rank.items():
+        got = ours_by_rank[rank]
+        for name, value in expected.items():
+            assert name in got, f"rank {rank}: {name} missing"
+            if name not in VARYING | DIFFERENT_BY_DESIGN:
+                assert got[name] == value, f"rank {rank}: {name}={got[name]!r}, torchrun {value!r}"
+        assert got["MASTER_PORT"] == ours_by_rank[0]["MASTER_PORT"]
+        assert got["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+        assert got["RALLYPOINT_RUN_ID"] == got["TORCHELASTIC_RUN_ID"]
+        assert got["RALLYPOINT_RENDEZVOUS_ROUND"] == "0"
+
+
+def test_allreduce_across_two_workers() -> None:
+    result = rallypoint(
+        "run", "--standalone", "--nproc-per-node", "2", worker("allreduce.py"), "20"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "[default0]:done rank=0 world=2 attempt=0" in result.stdout
+    assert "[default1]:done rank=1 world=2 attempt=0" in result.stdout
+
+
+@pytest.mark.parametrize("repetition", range(3))
+def test_a_worker_crash_is_recovered(repetition: int, tmp_path: Path) -> None:
+    events = tmp_path / "events.jsonl"
+    result = rallypoint(
+        "run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+        "--event-log", str(events), worker("allreduce.py"), "10", "--crash-at", "5",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "done rank=0 world=2 attempt=1" in result.stdout
+    assert "done rank=1 world=2 attempt=1" in result.stdout
+    assert "rank 1 exit code 1; restart 1 of 1" in result.stderr
+    names = [json.loads(line)["event"] for line in events.read_text().splitlines()]
+    assert names == [
+        "agent_started",
+        "rendezvous_started", "rendezvous_completed", "workers_started",
+        "worker_failed",
+        "workers_restarted",
+        "rendezvous_started", "rendezvous_completed", "workers_started",
+        "agent_stopping",
+    ]  # fmt: skip
+
+
+def test_no_restarts_left_fails_with_the_root_cause(tmp_path: Path) -> None:
+    result = rallypoint(
+        "run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "0",
+        "--log-dir", str(tmp_path), worker("allreduce.py"), "10", "--crash-at", "3",
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "root cause: rank 1 (local rank 1)" in result.stderr
+    assert "exit code 1" in result.stderr
+    assert "ValueError: boom at step 3" in result.stderr
+    (report_path,) = tmp_path.glob("*/failure.json")
+    report = json.loads(report_path.read_text())
+    assert report["root_cause"]["rank"] == 1
+    assert report["root_cause"]["exit_code"] == 1
+    assert "ValueError: boom at step 3" in report["root_cause"]["traceback"]
+
+
+def test_record_puts_the_exception_in_the_report(tmp_path: Path) -> None:
+    result = rallypoint(
+        "run", "--standalone", "--nproc-per-node", "2", "--log-dir", str(tmp_path),
+        worker("allreduce.py"), "10", "--crash-at", "2", "--record",
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "error: ValueError: boom at step 2" in result.stderr
+    (report_path,) = tmp_path.glob("*/failure.json")
+    report = json.loads(report_path.read_text())
+    assert report["root_cause"]["message"] == "ValueError: boom at step 2"
+    assert report["root_cause"]["traceback"].startswith("Traceback (most recent call last)")
+
+
+def test_a_signal_is_named_in_the_report() -> None:
+    result = rallypoint(
+        "run", "--standalone", "--nproc-per-node", "2",
+        worker("allreduce.py"), "10", "--crash-at", "2", "--crash-with", "kill",
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "root cause: rank 1 (local rank 1)" in result.stderr
+    assert "killed by SIGKILL" in result.stderr
+
+
+def test_sigkill_of_the_agent_leaves_no_worker(tmp_path: Path) -> None:
+    agent = subprocess.Popen(
+        [RALLYPOINT, "run", "--standalone", "--nproc-per-node", "2", worker("sleeper.py"),
+         str(tmp_path)],
+        env=clean_environment(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        pids = read_pids(tmp_path, 2)
+        agent.kill()
+        agent.wait(timeout=30)
+        assert wait_until(lambda: not any(alive(pid) for pid in pids), 10), "orphan workers"
+    finally:
+        agent.kill()
+        agent.wait(timeout=30)
+
+
+@pytest.mark.parametrize("ignore_term", [False, True], ids=["graceful", "stubborn"])
+def test_sigterm_stops_the_workers_within_the_shutdown_timeout(
+    tmp_path: Path, ignore_term: bool
+) -> None:
+    args = [str(tmp_path), "ignore-term"] if ignore_term else [str(tmp_path)]
+    agent = subprocess.Popen(
+        [RALLYPOINT, "run", "--standalone", "--nproc-per-node", "2", "--shutdown-timeout", "2",
+         worker("sleeper.py"), *args],
+        env=clean_environment(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        pids = read_pids(tmp_path, 2)
+        began = time.monotonic()
+        agent.send_signal(signal.SIGTERM)
+        _, stderr = agent.communicate(timeout=30)
+        took = time.monotonic() - began
+        assert agent.returncode == 128 + signal.SIGTERM
+        assert "received SIGTERM" in stderr
+        assert not any(alive(pid) for pid in pids)
+        # Stubborn workers are killed once the 2 s shutdown timeout has passed, not before.
+        assert (took >= 2) == ignore_term
+    finally:
+        agent.kill()
+        agent.wait(timeout=30)
+
+
+def test_eight_jobs_at_once_on_one_host() -> None:
+    def job(_: int) -> subprocess.CompletedProcess[str]:
+        return rallypoint(
+            "run", "--standalone", "--nproc-per-node", "2", worker("allreduce.py"), "5",
+            timeout=240,
+        )  # fmt: skip
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(job, range(8)))
+    for result in results:
+        assert result.returncode == 0, result.stderr
+        assert "done rank=1 world=2" in result.stdout
+
+
+def test_output_routing(tmp_path: Path) -> None:
+    result = rallypoint(
+        "run", "--standalone", "--nproc-per-node", "2", "--log-dir", str(tmp_path),
+        "--tee", "0:1", "--redirects", "1:3", "--local-ranks-filter", "0,1",
+        worker("allreduce.py"), "3",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    # Rank 0 stays on the console and its stdout is copied to a file ...
+    assert "[default0]:done rank=0" in result.stdout
+    (run_dir,) = tmp_path.iterdir()
+    assert "done rank=0" in (run_dir / "attempt_0" / "0" / "stdout.log").read_text()
+    # ... rank 1 is only in its files.
+    assert "[default1]" not in result.stdout + result.stderr
+    assert "done rank=1" in (run_dir / "attempt_0" / "1" / "stdout.log").read_text()
+
+
+def test_local_ranks_filter_hides_other_ranks() -> None:
+    result = rallypoint(
+        "run", "--standalone", "--nproc-per-node", "2", "--local-ranks-filter", "1",
+        worker("allreduce.py"), "3",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "[default1]:done rank=1" in result.stdout
+    assert "[default0]" not in result.stdout
+
+
+def test_module_no_python_and_run_path(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "hello.py").write_text(
+        "import os, sys\nprint('hello', os.environ['RANK'], sys.argv[1:])\n"
+    )
+    module = rallypoint("run", "--nproc-per-node", "2", "-m", "pkg.hello", "x", cwd=tmp_path)
+    assert module.returncode == 0, module.stderr
+    assert "[default1]:hello 1 ['x']" in module.stdout
+    program = rallypoint("run", "--no-python", "sh", "-c", "echo rank $RANK of $WORLD_SIZE")
+    assert program.returncode == 0, program.stderr
+    assert "[default0]:rank 0 of 1" in program.stdout
+    path = rallypoint("run", "--run-path", str(package / "hello.py"), "y")
+    assert path.returncode == 0, path.stderr
+    assert "[default0]:hello 0 ['y']" in path.stdout
+
+
+def test_role_names_the_workers() -> None:
+    result = rallypoint("run", "--role", "trainer", worker("dump_env.py"))
+    assert result.returncode == 0, result.stderr
+    assert envs(result.stdout)[0]["ROLE_NAME"] == "trainer"
+    assert result.stdout.startswith("[trainer0]:")
