@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # Debian packages of the servers the tests start: binary:package.
 SERVERS := etcd:etcd-server redis-server:redis-server prometheus:prometheus
 
-.PHONY: install servers lint docs test demo clean
+.PHONY: install servers lint docs test demo bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -49,8 +49,19 @@ docs: install
 test: install servers lint docs
 	$(PY) -m pytest
 
+DEMO_DIR := .demo
 demo: install
-	$(VENV)/bin/rallypoint plugins
+	rm -rf $(DEMO_DIR)
+	$(VENV)/bin/rallypoint run --standalone --nproc-per-node 2 --max-restarts 2 \
+		--redirects 2 --log-dir $(DEMO_DIR)/logs --checkpoint-dir $(DEMO_DIR)/checkpoints \
+		--event-log $(DEMO_DIR)/events.jsonl \
+		examples/train.py --steps 60 --crash-at 25
+	@echo "demo done: worker logs, the checkpoint and the event log are under $(DEMO_DIR)/"
+
+# Side-by-side measurements against torchrun; writes benchmarks/results/ and docs/benchmarks.md.
+bench: install
+	$(PIP) install -q -e '.[bench]'
+	$(PY) benchmarks/bench_launcher.py
 
 clean:
-	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache $(DEMO_DIR)

@@ -32,17 +32,28 @@ MARKER = f"{hookspecs.PROJECT_NAME}_spec"
 #: Page sections in the order of the banners in hookspecs.py.
 GROUPS = ("Extension points", "Command line", "Lifecycle")
 
-#: What a reader must know about a section in this version. Update when the agent lands.
+#: What a reader must know about a section in this version. Update when the multi-node
+#: rendezvous or the checkpoint storage API lands.
 GROUP_NOTES = {
     "Extension points": (
         "Registrations are collected, checked for duplicate names and used by "
-        "`rallypoint run` to validate its flags today. The agent that will use them to run "
-        "a job is not built yet (see the README's Status)."
+        "`rallypoint run` to validate its flags. The agent calls the restart policy after "
+        "every failure and feeds every event to the chosen metrics sinks; the local "
+        "(one-node) rendezvous calls the rank assigner. Rendezvous backends and checkpoint "
+        "stores are only declared in this version: a job of one node uses the local "
+        "rendezvous whatever `--rdzv-backend` says, and `--checkpoint-dir` is handed to the "
+        "workers as `RALLYPOINT_CHECKPOINT_URL` (see the README's Status)."
     ),
     "Lifecycle": (
-        "Nothing calls these hooks yet: the agent that will call them is the next step "
-        "(see the README's Status). Implementations are accepted now and listed by "
-        "`rallypoint plugins`."
+        "The agent calls these hooks at each phase of a run, for every plugin that "
+        "implements them, in its main thread; return values are ignored. Each call "
+        "corresponds to one event of the `--event-log` (see the user guide's "
+        "[Event log](../user-guide.md#event-log)): `agent_started`, "
+        "`rendezvous_completed`, `workers_started`, `worker_failed` (once per failed "
+        "worker), `workers_restarted`, `scale_changed` (only when the number of nodes "
+        "changes, so never on one node) and `agent_stopping`. An exception in a hook is "
+        "logged and does not stop the run, but implementations that pluggy had not "
+        "called yet miss that event: catch your own exceptions, and keep hooks quick."
     ),
 }
 

@@ -11,14 +11,23 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from launch import RALLYPOINT, clean_environment, rallypoint, torchrun, worker
 
+from conftest import InstallPlugin
+from launch import RALLYPOINT, clean_environment, rallypoint, torchrun, worker
 from servers import wait_until
 
 #: Variables that differ between any two launches (ports, ids, temporary paths), and the
 #: one rallypoint sets differently on purpose (docs/user-guide.md, "Worker environment").
 VARYING = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
 DIFFERENT_BY_DESIGN = {"TORCHELASTIC_USE_AGENT_STORE"}
+
+
+@pytest.fixture(autouse=True)
+def _agent_temp_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run directories of failed or killed agents land in this test's temporary directory."""
+    agent_tmp = tmp_path / "agent-tmp"
+    agent_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(agent_tmp))
 
 
 def envs(output: str) -> dict[int, dict[str, str]]:
@@ -45,9 +54,10 @@ def read_pids(directory: Path, count: int, timeout: float = 60) -> list[int]:
     return [int(path.read_text()) for path in sorted(directory.glob("*.pid"))]
 
 
-def test_worker_environment_equals_torchrun() -> None:
-    ours = rallypoint("run", "--standalone", "--nproc-per-node", "2", worker("dump_env.py"))
-    theirs = torchrun("--standalone", "--nproc-per-node", "2", worker("dump_env.py"))
+@pytest.mark.parametrize("standalone", [["--standalone"], []], ids=["standalone", "default"])
+def test_worker_environment_equals_torchrun(standalone: list[str]) -> None:
+    ours = rallypoint("run", *standalone, "--nproc-per-node", "2", worker("dump_env.py"))
+    theirs = torchrun(*standalone, "--nproc-per-node", "2", worker("dump_env.py"))
     assert ours.returncode == 0, ours.stderr
     assert theirs.returncode == 0, theirs.stderr
     ours_by_rank, theirs_by_rank = envs(ours.stdout), envs(theirs.stdout)
@@ -104,6 +114,7 @@ def test_no_restarts_left_fails_with_the_root_cause(tmp_path: Path) -> None:
     assert "root cause: rank 1 (local rank 1)" in result.stderr
     assert "exit code 1" in result.stderr
     assert "ValueError: boom at step 3" in result.stderr
+    assert "not restarted: all 0 restarts (--max-restarts) used up" in result.stderr
     (report_path,) = tmp_path.glob("*/failure.json")
     report = json.loads(report_path.read_text())
     assert report["root_cause"]["rank"] == 1
@@ -196,13 +207,15 @@ def test_eight_jobs_at_once_on_one_host() -> None:
 
 
 def test_output_routing(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
     result = rallypoint(
-        "run", "--standalone", "--nproc-per-node", "2", "--log-dir", str(tmp_path),
-        "--tee", "0:1", "--redirects", "1:3", "--local-ranks-filter", "0,1",
+        "run", "--standalone", "--nproc-per-node", "2", "--log-dir", str(logs),
+        "--tee", "0:1", "--redirects", "0:1,1:3", "--local-ranks-filter", "0,1",
         worker("allreduce.py"), "3",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    # Rank 0 stays on the console and its stdout is copied to a file ...
+    tmp_path = logs
+    # Rank 0 stays on the console (tee wins over redirect) and is copied to a file ...
     assert "[default0]:done rank=0" in result.stdout
     (run_dir,) = tmp_path.iterdir()
     assert "done rank=0" in (run_dir / "attempt_0" / "0" / "stdout.log").read_text()
@@ -244,3 +257,106 @@ def test_role_names_the_workers() -> None:
     assert result.returncode == 0, result.stderr
     assert envs(result.stdout)[0]["ROLE_NAME"] == "trainer"
     assert result.stdout.startswith("[trainer0]:")
+
+
+def test_all_output_arrives_before_the_agent_exits(tmp_path: Path) -> None:
+    script = tmp_path / "chatty.py"
+    script.write_text("for i in range(20000):\n    print('line', i)\n")
+    result = rallypoint("run", "--nproc-per-node", "2", str(script))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("\n") == 40000
+    assert "[default1]:line 19999" in result.stdout
+
+
+def test_processes_left_by_workers_are_stopped(tmp_path: Path) -> None:
+    script = tmp_path / "leaves_a_child.py"
+    script.write_text(
+        "import subprocess, sys\n"
+        f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        f"open({str(tmp_path / 'child.pid')!r}, 'w').write(str(child.pid))\n"
+    )
+    result = rallypoint("run", str(script))
+    assert result.returncode == 0, result.stderr
+    child = int((tmp_path / "child.pid").read_text())
+    assert wait_until(lambda: not alive(child), 10)
+
+
+def test_a_master_port_in_use_is_one_line(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        result = rallypoint("run", "--master-port", port, worker("dump_env.py"))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"rallypoint: error: --master-port {port}: cannot use it on this host (Address already "
+        "in use); choose another port or leave --master-port out to get a free one."
+    ]
+
+
+def test_lifecycle_hooks_are_called_and_one_failing_hook_does_not_silence_others(
+    install_plugin: InstallPlugin, tmp_path: Path
+) -> None:
+    calls = tmp_path / "calls.txt"
+    recorder = f"""
+        from rallypoint import hookimpl
+
+        def _note(text):
+            with open({str(calls)!r}, "a") as handle:
+                handle.write(text + "\\n")
+
+        @hookimpl
+        def on_agent_started(run):
+            _note("started " + run.run_id)
+
+        @hookimpl
+        def on_rendezvous_completed(run, round_info):
+            _note(f"round {{round_info.round}} world {{round_info.world_size}}")
+
+        @hookimpl
+        def on_workers_started(run, round_info, pids):
+            _note(f"workers {{len(pids)}}")
+
+        @hookimpl
+        def on_worker_failed(run, failure):
+            _note(f"failed rank {{failure.rank}} code {{failure.exit_code}}")
+
+        @hookimpl
+        def on_workers_restarted(run, restart_count, cause):
+            _note(f"restarted {{restart_count}} {{cause}}")
+
+        @hookimpl
+        def on_agent_stopping(run, exit_code, reason):
+            _note(f"stopping {{exit_code}}")
+    """
+    install_plugin("recorder", recorder)
+    site = install_plugin(
+        "faulty",
+        """
+        from rallypoint import hookimpl
+
+        @hookimpl
+        def on_agent_started(run):
+            raise RuntimeError("faulty hook")
+        """,
+    )
+    result = rallypoint(
+        "run", "--nproc-per-node", "2", "--max-restarts", "1", "--rdzv-backend", "c10d",
+        "--rdzv-id", "job9",
+        worker("allreduce.py"), "6", "--crash-at", "2",
+        env={"PYTHONPATH": str(site)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "plugin 'faulty': on_agent_started failed: RuntimeError: faulty hook" in result.stderr
+    assert calls.read_text().splitlines() == [
+        "started job9",
+        "round 0 world 2",
+        "workers 2",
+        "failed rank 1 code 1",
+        "restarted 1 failure",
+        "round 1 world 2",
+        "workers 2",
+        "stopping 0",
+    ]

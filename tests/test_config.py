@@ -89,7 +89,12 @@ def test_small_parsers() -> None:
 def test_defaults_match_torchrun(script: str) -> None:
     cfg = config(training_script=script)
     assert (cfg.min_nodes, cfg.max_nodes, cfg.nproc_per_node) == (1, 1, 1)
-    assert (cfg.rdzv_backend, cfg.rdzv_id, cfg.max_restarts) == ("static", "none", 0)
+    # One node with no endpoint or master port: a local c10d rendezvous with a fresh id.
+    assert cfg.rdzv_backend == "c10d"
+    assert cfg.rdzv_id != "none"
+    assert cfg.max_restarts == 0
+    static = config(training_script=script, master_port="29511")
+    assert (static.rdzv_backend, static.rdzv_id, static.master_port) == ("static", "none", 29511)
     assert cfg.monitor_interval == 0.1
     assert cfg.master_addr == "127.0.0.1"
     assert cfg.signals_to_handle == ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")

@@ -103,8 +103,15 @@ class LaunchConfig:
         values["min_nodes"], values["max_nodes"] = min_nodes, max_nodes
         values["nproc_per_node"] = parse_nproc_per_node(str(values.get("nproc_per_node", "1")))
 
-        if values.get("standalone"):
-            # As in torchrun: a local c10d store on a free port and a fresh run id.
+        # As in torchrun: --standalone, and a one-node static job given neither an endpoint
+        # nor a master port, run a local c10d rendezvous on a free port with a fresh run id.
+        implicit = (
+            values.get("rdzv_backend", "static") == "static"
+            and not values.get("rdzv_endpoint")
+            and values.get("master_port") is None
+            and max_nodes == 1
+        )
+        if values.get("standalone") or implicit:
             values["rdzv_backend"] = "c10d"
             values["rdzv_endpoint"] = STANDALONE_ENDPOINT
             values["rdzv_id"] = str(uuid.uuid4())

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.metadata
+import logging
 import os
 import sys
 from collections.abc import Iterator, Mapping
@@ -29,6 +30,8 @@ import pluggy
 
 from rallypoint import __version__, hookspecs
 from rallypoint.registry import Registry
+
+logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "rallypoint"
 
@@ -119,13 +122,16 @@ class PluginManager(pluggy.PluginManager):
             self.unregister(plugin)
         self.registry.forget(name)
 
-    def call_each(self, hook_name: str, **kwargs: Any) -> Iterator[tuple[str, list[Any] | None]]:
+    def call_each(
+        self, hook_name: str, *, break_on_error: bool = True, **kwargs: Any
+    ) -> Iterator[tuple[str, list[Any] | None]]:
         """Call one hook plugin by plugin, yielding ``(plugin name, results)``.
 
-        A plugin whose implementation raises is marked broken and yields ``None`` for its
-        results, so one bad plugin cannot hide the registrations of the others and callers
-        can undo what it did before failing. Calls go through pluggy (and so through
-        tracing) one implementation at a time.
+        A plugin whose implementation raises yields ``None`` for its results, so one bad
+        plugin cannot keep the others from being called, and callers can undo what it did
+        before failing. With ``break_on_error`` (registration hooks) it is also marked
+        broken; otherwise (lifecycle hooks) the error is logged and it stays loaded. Calls go
+        through pluggy (and so through tracing) one implementation at a time.
         """
         caller = getattr(self.hook, hook_name)
         for impl in list(caller.get_hookimpls()):
@@ -137,7 +143,10 @@ class PluginManager(pluggy.PluginManager):
             try:
                 results = list(single(**kwargs))
             except Exception as error:
-                self.mark_broken(name, f"{hook_name} failed: {_one_line(error)}")
+                if break_on_error:
+                    self.mark_broken(name, f"{hook_name} failed: {_one_line(error)}")
+                else:
+                    logger.warning("plugin %r: %s failed: %s", name, hook_name, _one_line(error))
                 yield name, None
                 continue
             yield name, results

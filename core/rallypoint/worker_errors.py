@@ -54,11 +54,7 @@ def record(function: Callable[P, R]) -> Callable[P, R]:
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return function(*args, **kwargs)
-        except SystemExit as exit_:
-            if exit_.code not in (None, 0):
-                write_error_file(exit_)
-            raise
-        except BaseException as error:
+        except Exception as error:  # as torch's @record: not SystemExit or KeyboardInterrupt
             write_error_file(error)
             raise
 

@@ -109,7 +109,8 @@ class Agent:
     def _loop(self) -> tuple[int, str]:
         config = self.config
         self.bus.emit(events.AGENT_STARTED, nproc_per_node=config.nproc_per_node)
-        restarts = 0
+        restarts = 0  # failures recovered from; membership changes do not count
+        attempt = 0  # every start of the workers, whatever the cause
         uptimes: list[float] = []
         nodes: int | None = None
         while True:
@@ -128,31 +129,29 @@ class Agent:
                 )
             nodes = info.group_world_size
 
-            group = self._start_workers(assignment, restarts)
+            group = self._start_workers(assignment, restarts, attempt)
+            attempt += 1
             started = time.monotonic()
             self.bus.emit(events.WORKERS_STARTED, **asdict(info), pids=list(group.pids))
             outcome = self._monitor(group)
 
             if outcome is Outcome.SUCCEEDED:
-                group.close()
+                group.finish_output()
+                # Reaches processes the workers left behind in their sessions.
+                group.stop(signal.SIGTERM, config.shutdown_timeout)
                 self.handler.exit_barrier(config.exit_barrier_timeout)
                 return EXIT_SUCCESS, "all workers finished"
             if outcome is Outcome.SIGNALLED:
-                assert self.signalled is not None
-                logger.info(
-                    "received %s: stopping workers (%.0f s before SIGKILL)",
-                    self.signalled.name,
-                    config.shutdown_timeout,
-                )
-                group.stop(self.signalled, config.shutdown_timeout)
-                return 128 + int(self.signalled), f"stopped by {self.signalled.name}"
+                return self._stop_on_signal(group)
             if outcome is Outcome.MEMBERSHIP_CHANGED:
                 group.stop(signal.SIGTERM, config.shutdown_timeout)
                 self.bus.emit(events.WORKERS_RESTARTED, restart_count=restarts, cause="membership")
                 continue
 
-            report = self._handle_failure(group, restarts)
             uptimes.append(time.monotonic() - started)
+            report = self._handle_failure(group, restarts)
+            if self.signalled is not None:
+                return self._stop_on_signal(group)
             decision = self.policy.decide(
                 RestartRequest(
                     restarts_done=restarts,
@@ -164,7 +163,7 @@ class Agent:
             )
             root = f"rank {report.root.rank} {describe_exit(report.root)}"
             if not decision.restart:
-                self._report(report)
+                self._report(report, decision.reason)
                 return EXIT_WORKER_FAILURE, f"{root}; {decision.reason}"
             restarts += 1
             logger.info(
@@ -174,16 +173,27 @@ class Agent:
                 config.max_restarts,
                 f" in {decision.delay:.1f} s" if decision.delay else "",
             )
-            if decision.delay and self._sleep(decision.delay):
-                assert self.signalled is not None
-                return 128 + int(self.signalled), f"stopped by {self.signalled.name}"
+            if self._sleep(decision.delay):
+                return self._stop_on_signal(group)
             self.bus.emit(events.WORKERS_RESTARTED, restart_count=restarts, cause="failure")
+
+    def _stop_on_signal(self, group: WorkerGroup) -> tuple[int, str]:
+        """Forward the signal to the workers, give them the shutdown timeout, then kill."""
+        assert self.signalled is not None
+        logger.info(
+            "received %s: stopping workers (%.0f s before SIGKILL)",
+            self.signalled.name,
+            self.config.shutdown_timeout,
+        )
+        group.stop(self.signalled, self.config.shutdown_timeout)
+        group.finish_output()
+        return 128 + int(self.signalled), f"stopped by {self.signalled.name}"
 
     # --- workers ------------------------------------------------------------------------
 
-    def _start_workers(self, assignment: Assignment, restarts: int) -> WorkerGroup:
+    def _start_workers(self, assignment: Assignment, restarts: int, attempt: int) -> WorkerGroup:
         config = self.config
-        attempt_dir = self.run_dir / f"attempt_{restarts}"
+        attempt_dir = self.run_dir / f"attempt_{attempt}"
         specs = [
             WorkerSpec(
                 local_rank=local_rank,
@@ -234,14 +244,14 @@ class Agent:
             self._drain_wakeups()
 
     def _handle_failure(self, group: WorkerGroup, restarts: int) -> FailureReport:
-        """Stop the surviving workers and describe what failed."""
+        """Announce the failures, stop the surviving workers and describe what failed."""
         now_wall, now_mono = time.time(), time.monotonic()
         failed = [w for w in group.workers if w.returncode not in (None, 0)]
         failures = [failure_of(w, now_wall - (now_mono - (w.exited or now_mono))) for w in failed]
-        group.stop(signal.SIGTERM, self.config.shutdown_timeout)
-        group.finish_output()
         for failure in failures:
             self.bus.emit(events.WORKER_FAILED, **asdict(failure))
+        group.stop(signal.SIGTERM, self.config.shutdown_timeout)
+        group.finish_output()
         return build_report(
             group.workers,
             failures,
@@ -250,10 +260,12 @@ class Agent:
             max_restarts=self.config.max_restarts,
         )
 
-    def _report(self, report: FailureReport) -> None:
+    def _report(self, report: FailureReport, reason: str) -> None:
         path = self.run_dir / "failure.json"
         report.write(path)
-        logger.error("%s\n  failure report: %s", report.summary(), path)
+        logger.error(
+            "%s\n  not restarted: %s\n  failure report: %s", report.summary(), reason, path
+        )
 
     # --- signals ------------------------------------------------------------------------
 
@@ -281,7 +293,7 @@ class Agent:
             pass
 
     def _sleep(self, seconds: float) -> bool:
-        """Sleep, waking early on a signal; return whether a signal arrived."""
+        """Sleep, waking early on a signal; return whether a signal arrived (before or during)."""
         deadline = time.monotonic() + seconds
         while self.signalled is None and time.monotonic() < deadline:
             select.select([self._wake_read], [], [], max(0.0, deadline - time.monotonic()))

@@ -55,10 +55,11 @@ class OutputRule:
 def output_rule(
     local_rank: int, redirects: dict[int, int], tee: dict[int, int], shown: bool
 ) -> OutputRule:
-    """The rule for ``local_rank``: redirected streams leave the console, teed ones stay."""
+    """The rule for ``local_rank``: redirected streams leave the console, teed ones stay
+    (tee wins where both name a stream, as in torchrun)."""
     redirect = redirects.get(local_rank, redirects.get(-1, 0))
     copy = tee.get(local_rank, tee.get(-1, 0))
-    console = (_STDOUT | _STDERR) & ~redirect if shown else 0
+    console = ((_STDOUT | _STDERR) & ~redirect | copy) if shown else 0
     return OutputRule(console=console, files=redirect | copy)
 
 
@@ -70,11 +71,13 @@ class Worker:
     process: subprocess.Popen[bytes]
     started: float
     pidfd: int | None = None
-    exited: float | None = None
+    exited: float | None = None  # monotonic time of the exit, as precise as we can tell
+    exit_seen: float | None = None  # set by the watcher thread the moment the process exits
     stderr_tail: collections.deque[str] = field(
         default_factory=lambda: collections.deque(maxlen=_TAIL_LINES)
     )
     pumps: list[threading.Thread] = field(default_factory=list)
+    watcher: threading.Thread | None = None
 
     @property
     def pid(self) -> int:
@@ -160,6 +163,12 @@ class WorkerGroup:
                 )
                 worker = Worker(spec, process, time.monotonic())
                 worker.pidfd = _pidfd(process.pid)
+                if worker.pidfd is not None:
+                    # Exit times decide the root cause when workers die moments apart.
+                    worker.watcher = threading.Thread(
+                        target=_watch_exit, args=(worker,), daemon=True
+                    )
+                    worker.watcher.start()
                 prefix = f"[{role}{spec.local_rank}]:".encode()
                 for bit, pipe, console, name in (
                     (_STDOUT, process.stdout, sys.stdout.buffer, "stdout.log"),
@@ -196,7 +205,7 @@ class WorkerGroup:
         now = time.monotonic()
         for worker in self.workers:
             if worker.exited is None and worker.process.poll() is not None:
-                worker.exited = now
+                worker.exited = worker.exit_seen or now
                 ended.append(worker)
         return ended
 
@@ -238,8 +247,11 @@ class WorkerGroup:
         self.reap()
         self.close()
 
-    def finish_output(self, timeout: float = 2.0) -> None:
-        """Wait, bounded, for the output of ended workers to be copied out."""
+    def finish_output(self, timeout: float = 10.0) -> None:
+        """Wait, bounded, for the output of ended workers to be copied out.
+
+        The bound only matters when a process the worker started still holds its pipes.
+        """
         deadline = time.monotonic() + timeout
         for worker in self.workers:
             for pump in worker.pumps:
@@ -247,9 +259,21 @@ class WorkerGroup:
 
     def close(self) -> None:
         for worker in self.workers:
+            if worker.watcher is not None:
+                worker.watcher.join(5)  # the process has exited: the watcher returns at once
             if worker.pidfd is not None:
                 os.close(worker.pidfd)
                 worker.pidfd = None
+
+
+def _watch_exit(worker: Worker) -> None:
+    """Wait for the worker to exit, without reaping it, and note the time."""
+    assert worker.pidfd is not None
+    try:
+        os.waitid(os.P_PIDFD, worker.pidfd, os.WEXITED | os.WNOWAIT)
+    except (OSError, AttributeError):
+        return
+    worker.exit_seen = time.monotonic()
 
 
 def _pidfd(pid: int) -> int | None:

@@ -7,6 +7,7 @@ hosts a new TCPStore there, so restarted workers never see an earlier attempt's 
 
 from __future__ import annotations
 
+from rallypoint.errors import RallypointError
 from rallypoint.events import RoundInfo
 from rallypoint.extensions import NodeSpec, RankAssigner
 from rallypoint.rendezvous.handler import Assignment
@@ -38,7 +39,13 @@ class LocalRendezvous:
         if self._port is not None:
             self._port.release()
         # A fixed --master-port is honoured as given (torchrun's static rendezvous).
-        self._port = PortReservation(self.fixed_port or 0)
+        try:
+            self._port = PortReservation(self.fixed_port or 0)
+        except OSError as error:
+            raise RallypointError(
+                f"--master-port {self.fixed_port}: cannot use it on this host ({error.strerror}); "
+                "choose another port or leave --master-port out to get a free one."
+            ) from None
         (group_rank,) = self.assigner.assign([self.node])
         info = RoundInfo(
             round=self._round,

@@ -1,0 +1,1 @@
+"""A worker that does nothing: measures the launcher alone."""
