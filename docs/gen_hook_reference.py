@@ -52,8 +52,9 @@ GROUP_NOTES = {
         "`rendezvous_completed`, `workers_started`, `worker_failed` (once per failed "
         "worker), `workers_restarted`, `scale_changed` (only when the number of nodes "
         "changes, so never on one node) and `agent_stopping`. An exception in a hook is "
-        "logged and does not stop the run, but implementations that pluggy had not "
-        "called yet miss that event: catch your own exceptions, and keep hooks quick."
+        "logged with the plugin's name and does not stop the run; every other plugin "
+        "still gets the event, since the agent calls the implementations one plugin at "
+        "a time. Keep hooks quick: they run in the agent's main loop."
     ),
 }
 

@@ -24,14 +24,15 @@ def clean_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
     return {**base, **(extra or {})}
 
 
-def rallypoint(
-    *args: str,
-    env: dict[str, str] | None = None,
-    cwd: Path | None = None,
-    timeout: float = 120,
+def _run(
+    command: str,
+    args: tuple[str, ...],
+    env: dict[str, str] | None,
+    cwd: Path | None,
+    timeout: float,
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [RALLYPOINT, *args],
+        [command, *args],
         env=clean_environment(env),
         cwd=cwd,
         capture_output=True,
@@ -40,16 +41,16 @@ def rallypoint(
     )
 
 
-def torchrun(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+def rallypoint(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [TORCHRUN, *args],
-        env=clean_environment(env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return _run(RALLYPOINT, args, env, cwd, timeout)
+
+
+def torchrun(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    return _run(TORCHRUN, args, env, cwd, timeout)
 
 
 def worker(name: str) -> str:

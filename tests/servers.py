@@ -46,6 +46,7 @@ __all__ = [
     "etcd_server_session",
     "find_binary",
     "free_port",
+    "process_alive",
     "prometheus_server",
     "prometheus_server_session",
     "redis_server",
@@ -330,6 +331,19 @@ class PrometheusServer(ServerProcess):
         if not wait_until(probe, timeout):
             raise TimeoutError(f"{expr!r} did not match within {timeout}s; last={last}")
         return last
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs; a zombie awaiting its reaper counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def wait_until(probe: Callable[[], bool], timeout: float) -> bool:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,25 +10,10 @@ from pathlib import Path
 import pytest
 
 from conftest import InstallPlugin
+from launch import rallypoint
 from rallypoint import __version__
 
-RALLYPOINT = str(Path(sys.executable).with_name("rallypoint"))
 REPO = Path(__file__).resolve().parents[1]
-
-
-def rallypoint(
-    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
-) -> subprocess.CompletedProcess[str]:
-    """Run the console script with a clean plugin environment; bounded in time."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("RALLYPOINT_", "PET_"))}
-    return subprocess.run(
-        [RALLYPOINT, *args],
-        env={**base, **(env or {})},
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 @pytest.fixture

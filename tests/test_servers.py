@@ -31,6 +31,7 @@ from servers import (
     ServerStartError,
     find_binary,
     free_port,
+    process_alive,
     require_binary,
     start_etcd,
     start_prometheus,
@@ -67,19 +68,6 @@ def _http_json(url: str, payload: dict[str, Any] | None = None) -> Any:
 
 def _b64(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
-
-
-def _process_gone(pid: int) -> bool:
-    """True if ``pid`` no longer exists or is a zombie awaiting its reaper."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
 # ------------------------------------------------------------------ etcd
@@ -163,7 +151,7 @@ def test_prometheus_config_lists_targets(tmp_path: Path) -> None:
 def test_stop_leaves_no_process(kind: str, tmp_path: Path) -> None:
     server = STARTERS[kind](tmp_path)
     pid = server.pid
-    assert not _process_gone(pid)
+    assert process_alive(pid)
     server.stop()
     assert not server.is_running()
     with pytest.raises(ProcessLookupError):
@@ -183,7 +171,7 @@ def test_stop_escalates_to_sigkill_for_the_whole_group(tmp_path: Path) -> None:
     child = int(child_pid_file.read_text())
     proc.stop(timeout=0.2)
     assert proc.process.returncode == -9
-    assert wait_until(lambda: _process_gone(child), 5)
+    assert wait_until(lambda: not process_alive(child), 5)
 
 
 @pytest.mark.parametrize("kind", sorted(STARTERS))

@@ -1,6 +1,7 @@
 """All-reduce over gloo; rank 1 can be told to fail at a step of the first attempt.
 
-Usage: allreduce.py STEPS [--crash-at STEP] [--crash-with exception|exit|kill] [--record]
+Usage: allreduce.py STEPS [--crash-at STEP] [--crash-with exception|exit|kill]
+                        [--record rallypoint|torch]
 """
 
 import argparse
@@ -18,7 +19,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("steps", type=int)
 parser.add_argument("--crash-at", type=int, default=-1)
 parser.add_argument("--crash-with", default="exception")
-parser.add_argument("--record", action="store_true")
+parser.add_argument("--record", choices=["rallypoint", "torch"])
 args = parser.parse_args()
 
 
@@ -43,4 +44,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    (record(main) if args.record else main)()
+    if args.record == "torch":
+        from torch.distributed.elastic.multiprocessing.errors import record as torch_record
+
+        main = torch_record(main)
+    elif args.record == "rallypoint":
+        main = record(main)
+    main()

@@ -32,7 +32,7 @@ from rallypoint import events
 from rallypoint.agent.environment import WorkerSpec, worker_command, worker_environment
 from rallypoint.agent.eventbus import EventBus
 from rallypoint.agent.failures import FailureReport, build_report, describe_exit, failure_of
-from rallypoint.agent.workers import WorkerGroup, output_rule
+from rallypoint.agent.workers import Worker, WorkerGroup, output_rule
 from rallypoint.config import LaunchConfig
 from rallypoint.events import RunInfo
 from rallypoint.extensions import EventSink, NodeSpec, RestartRequest, SinkContext
@@ -46,6 +46,9 @@ logger = logging.getLogger("rallypoint.agent")
 #: Exit codes of ``rallypoint run``: usage errors are 2; a signal N gives 128 + N.
 EXIT_SUCCESS = 0
 EXIT_WORKER_FAILURE = 1
+
+#: Seconds a worker that printed a traceback gets to exit on its own after a peer failed.
+FINALISING_GRACE = 2.0
 
 
 class Outcome(enum.Enum):
@@ -244,14 +247,27 @@ class Agent:
             self._drain_wakeups()
 
     def _handle_failure(self, group: WorkerGroup, restarts: int) -> FailureReport:
-        """Announce the failures, stop the surviving workers and describe what failed."""
-        now_wall, now_mono = time.time(), time.monotonic()
-        failed = [w for w in group.workers if w.returncode not in (None, 0)]
-        failures = [failure_of(w, now_wall - (now_mono - (w.exited or now_mono))) for w in failed]
-        for failure in failures:
-            self.bus.emit(events.WORKER_FAILED, **asdict(failure))
+        """Stop the surviving workers, then announce and describe what failed.
+
+        A worker that has printed a traceback but not exited yet (still finalising) is
+        failing too, and may be the root cause: it gets a moment to exit on its own, so
+        that its own exit code, not our SIGTERM, is reported.
+        """
+        failing = [w for w in group.running() if w.traceback_seen is not None]
+        deadline = time.monotonic() + FINALISING_GRACE
+        while any(w.exited is None for w in failing) and time.monotonic() < deadline:
+            group.wait(deadline - time.monotonic())
+            group.reap()
+        failed = [w for w in group.workers if w.returncode not in (None, 0) or w in failing]
         group.stop(signal.SIGTERM, self.config.shutdown_timeout)
         group.finish_output()
+        now_wall, now_mono = time.time(), time.monotonic()
+        failures = sorted(
+            (failure_of(w, now_wall - (now_mono - _failed_at(w, now_mono))) for w in failed),
+            key=lambda failure: failure.timestamp,
+        )
+        for failure in failures:  # the root cause first
+            self.bus.emit(events.WORKER_FAILED, **asdict(failure))
         return build_report(
             group.workers,
             failures,
@@ -299,6 +315,12 @@ class Agent:
             select.select([self._wake_read], [], [], max(0.0, deadline - time.monotonic()))
             self._drain_wakeups()
         return self.signalled is not None
+
+
+def _failed_at(worker: Worker, default: float) -> float:
+    """When a worker failed (monotonic): its first traceback line, else its exit."""
+    times = [t for t in (worker.traceback_seen, worker.exited) if t is not None]
+    return min(times, default=default)
 
 
 def _run_directory(config: LaunchConfig) -> tuple[Path, bool]:

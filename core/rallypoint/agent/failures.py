@@ -1,9 +1,12 @@
 """Failure reports: which worker failed first, how, and the traceback it left.
 
-The root cause is the failure with the earliest timestamp (from the worker's error file
-when it wrote one, else when the agent saw it exit), as in torchrun. Where a worker left
-no error file, the last lines it wrote to stderr stand in for the traceback, so a plain
-uncaught exception is reported without ``@record``.
+The root cause is the worker that failed first. Exit times alone mislead: a worker that
+raises may spend a while finalising (closing its process group) while a peer notices the
+closed connection, raises and exits first. So a failure is dated by the moment the worker
+began printing a Python traceback, else by its exit; error-file timestamps (whole seconds)
+are too coarse to order failures moments apart. Where a worker left no error file, the
+last lines it wrote to stderr stand in for the traceback, so a plain uncaught exception is
+reported without ``@record``.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ def describe_exit(failure: WorkerFailure) -> str:
 
 
 def failure_of(worker: Worker, wall_time: float) -> WorkerFailure:
-    """Describe a worker that ended with a non-zero status."""
+    """Describe a worker that ended with a non-zero status, failing at ``wall_time``."""
     code = worker.returncode
     signal_name = None
     if code is not None and code < 0:
@@ -81,15 +84,14 @@ def failure_of(worker: Worker, wall_time: float) -> WorkerFailure:
             signal_name = signal.Signals(-code).name
         except ValueError:
             signal_name = f"signal {-code}"
-    message, timestamp = _read_error_file(worker.spec.error_file)
     return WorkerFailure(
         local_rank=worker.spec.local_rank,
         rank=worker.spec.rank,
         pid=worker.pid,
         exit_code=None if signal_name else code,
         signal=signal_name,
-        message=message,
-        timestamp=timestamp or wall_time,
+        message=_read_message(worker.spec.error_file),
+        timestamp=wall_time,
     )
 
 
@@ -126,20 +128,13 @@ def _load(path: str) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _read_error_file(path: str) -> tuple[str, float | None]:
-    """The message and timestamp a worker wrote (torch's format), if it wrote one."""
+def _read_message(path: str) -> str:
+    """The message a worker wrote to its error file (torch's format), if it wrote one."""
     data = _load(path)
-    if data is None:
-        return "", None
-    message = data.get("message")
+    message = data.get("message") if data else None
     if isinstance(message, dict):
-        extra = message.get("extraInfo") or {}
-        try:
-            timestamp = float(extra.get("timestamp", 0)) or None
-        except (TypeError, ValueError):
-            timestamp = None
-        return str(message.get("message", "")), timestamp
-    return str(message or ""), None
+        return str(message.get("message", ""))
+    return str(message or "")
 
 
 def _read_traceback(path: str) -> str:

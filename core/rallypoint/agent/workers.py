@@ -73,6 +73,7 @@ class Worker:
     pidfd: int | None = None
     exited: float | None = None  # monotonic time of the exit, as precise as we can tell
     exit_seen: float | None = None  # set by the watcher thread the moment the process exits
+    traceback_seen: float | None = None  # when it began printing a Python traceback
     stderr_tail: collections.deque[str] = field(
         default_factory=lambda: collections.deque(maxlen=_TAIL_LINES)
     )
@@ -103,17 +104,24 @@ class _Console:
 _console = _Console()
 
 
+_TRACEBACK = b"Traceback (most recent call last)"
+
+
 def _pump(
     source: IO[bytes],
     prefix: bytes,
     console: IO[bytes] | None,
     file_path: Path | None,
-    tail: collections.deque[str] | None,
+    worker: Worker | None,
 ) -> None:
-    """Copy one worker stream line by line to the console (prefixed), a file and a tail."""
+    """Copy one worker stream line by line to the console (prefixed), a file and, for
+    stderr (``worker`` given), the worker's tail and the time its first traceback began."""
     sink = open(file_path, "ab") if file_path else None  # noqa: SIM115 - closed below
+    tail = worker.stderr_tail if worker is not None else None
     try:
         for line in iter(source.readline, b""):
+            if worker is not None and worker.traceback_seen is None and _TRACEBACK in line:
+                worker.traceback_seen = time.monotonic()
             if console is not None:
                 _console.write(console, prefix + line)
             if sink is not None:
@@ -182,7 +190,7 @@ class WorkerGroup:
                             prefix,
                             console if rule.console & bit else None,
                             log_dir / name if rule.files & bit else None,
-                            worker.stderr_tail if bit == _STDERR else None,
+                            worker if bit == _STDERR else None,
                         ),
                         name=f"rallypoint-{name[:6]}-{spec.local_rank}",
                         daemon=True,
@@ -247,13 +255,13 @@ class WorkerGroup:
         self.reap()
         self.close()
 
-    def finish_output(self, timeout: float = 10.0) -> None:
-        """Wait, bounded, for the output of ended workers to be copied out.
+    def finish_output(self, workers: Sequence[Worker] | None = None, timeout: float = 10.0) -> None:
+        """Wait, bounded, for the output of ended workers (default: all) to be copied out.
 
         The bound only matters when a process the worker started still holds its pipes.
         """
         deadline = time.monotonic() + timeout
-        for worker in self.workers:
+        for worker in self.workers if workers is None else workers:
             for pump in worker.pumps:
                 pump.join(max(0.0, deadline - time.monotonic()))
 

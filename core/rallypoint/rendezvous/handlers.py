@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rallypoint.config import LaunchConfig
+from rallypoint.config import DEFAULT_MASTER_PORT, LaunchConfig
 from rallypoint.errors import UsageError
 from rallypoint.extensions import NodeSpec
 from rallypoint.registry import RANK_ASSIGNERS, Registry
@@ -16,10 +16,23 @@ def create_handler(config: LaunchConfig, registry: Registry, node: NodeSpec) -> 
     if config.max_nodes == 1:
         # One node meets nobody, whatever the backend: as torchrun, whose default
         # `--nnodes 1` runs the same standalone rendezvous.
-        static_port = config.master_port if config.rdzv_backend == "static" else None
-        return LocalRendezvous(node, config.nproc_per_node, assigner, master_port=static_port)
+        if config.rdzv_backend == "static":
+            # torchrun's static rendezvous: the given master address, the given or default port.
+            return LocalRendezvous(
+                node,
+                config.nproc_per_node,
+                assigner,
+                master_addr=config.master_addr,
+                master_port=config.master_port or DEFAULT_MASTER_PORT,
+            )
+        return LocalRendezvous(node, config.nproc_per_node, assigner)
     raise UsageError(
-        f"--nnodes {config.min_nodes}:{config.max_nodes}: jobs of more than one node need the "
-        "multi-node rendezvous, which this version does not have yet; use --nnodes 1 or "
-        "--standalone."
+        f"--nnodes {_nnodes(config)}: jobs of more than one node need the multi-node "
+        "rendezvous, which this version does not have yet; run on one node (--nnodes 1)."
     )
+
+
+def _nnodes(config: LaunchConfig) -> str:
+    if config.min_nodes == config.max_nodes:
+        return str(config.max_nodes)
+    return f"{config.min_nodes}:{config.max_nodes}"
