@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -355,3 +356,18 @@ def test_lifecycle_hooks_are_called_and_one_failing_hook_does_not_silence_others
         "workers 2",
         "stopping 0",
     ]
+
+
+def test_the_agent_does_not_import_torch() -> None:
+    code = (
+        "import sys\n"
+        "from rallypoint_cli.main import build_app\n"
+        "from rallypoint.plugins import get_plugin_manager\n"
+        "import rallypoint.agent.elastic\n"
+        "build_app(get_plugin_manager())\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
