@@ -226,6 +226,7 @@ def charts(summary: dict[str, dict[str, object]]) -> list[tuple[str, str]]:
         figure, axis = plt.subplots(figsize=(5, 2.6))
         bars = axis.barh(list(LAUNCHERS), values, color=["#2b7bba", "#999999"])
         axis.bar_label(bars, fmt="%.2f")
+        axis.margins(x=0.15)
         axis.set_title(title)
         axis.set_xlabel(unit)
         axis.invert_yaxis()
