@@ -371,3 +371,17 @@ def test_the_agent_does_not_import_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_every_attempt_gets_a_new_store_port(tmp_path: Path) -> None:
+    script = tmp_path / "port.py"
+    script.write_text(
+        "import os, sys\n"
+        "print('port', os.environ['MASTER_PORT'], flush=True)\n"
+        "sys.exit(1 if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' else 0)\n"
+    )
+    result = rallypoint("run", "--max-restarts", "1", str(script))
+    assert result.returncode == 0, result.stderr
+    ports = [line.split()[-1] for line in result.stdout.splitlines()]
+    assert len(ports) == 2
+    assert ports[0] != ports[1]

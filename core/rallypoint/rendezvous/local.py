@@ -36,9 +36,12 @@ class LocalRendezvous:
 
     def next_round(self) -> Assignment:
         self._round += 1
-        if self._port is not None:
-            self._port.release()
-        # A fixed --master-port is honoured as given (torchrun's static rendezvous).
+        previous, self._port = self._port, None
+        if self.fixed_port and previous is not None:
+            previous.release()  # the same port again: let go of it first
+            previous = None
+        # A fixed --master-port is honoured as given (torchrun's static rendezvous); a free
+        # one is taken while the previous round's is still held, so the two always differ.
         try:
             self._port = PortReservation(self.fixed_port or 0)
         except OSError as error:
@@ -46,6 +49,9 @@ class LocalRendezvous:
                 f"--master-port {self.fixed_port}: cannot use it on this host ({error.strerror}); "
                 "choose another port or leave --master-port out to get a free one."
             ) from None
+        finally:
+            if previous is not None:
+                previous.release()
         (group_rank,) = self.assigner.assign([self.node])
         info = RoundInfo(
             round=self._round,
