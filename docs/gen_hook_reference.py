@@ -38,11 +38,13 @@ GROUP_NOTES = {
     "Extension points": (
         "Registrations are collected, checked for duplicate names and used by "
         "`rallypoint run` to validate its flags. The agent calls the restart policy after "
-        "every failure and feeds every event to the chosen metrics sinks; the local "
-        "(one-node) rendezvous calls the rank assigner. Rendezvous backends and checkpoint "
-        "stores are only declared in this version: a job of one node uses the local "
-        "rendezvous whatever `--rdzv-backend` says, and `--checkpoint-dir` is handed to the "
-        "workers as `RALLYPOINT_CHECKPOINT_URL` (see the README's Status)."
+        "every failure and feeds every event to the chosen metrics sinks; the leader of "
+        "each rendezvous round calls the rank assigner. Registered rendezvous backends "
+        "carry their names and settings; jobs of more than one node run on the built-in "
+        "`c10d` store, and a job of one node uses the local rendezvous whatever "
+        "`--rdzv-backend` says. Checkpoint stores are only declared in this version: "
+        "`--checkpoint-dir` is handed to the workers as `RALLYPOINT_CHECKPOINT_URL` (see "
+        "the README's Status)."
     ),
     "Lifecycle": (
         "The agent calls these hooks at each phase of a run, for every plugin that "

@@ -106,7 +106,9 @@ COMMON_RENDEZVOUS_OPTIONS: tuple[ConfigOption, ...] = (
     ConfigOption(
         "last_call_timeout", float, 30.0, "seconds to wait for more nodes once MIN have joined"
     ),
-    ConfigOption("close_timeout", float, 30.0, "seconds to wait for a round to be closed"),
+    ConfigOption(
+        "close_timeout", float, 30.0, "seconds the closing node waits for joiners' records"
+    ),
     ConfigOption(
         "heartbeat_timeout", float, 15.0, "seconds without a heartbeat before a node is dead"
     ),

@@ -136,7 +136,11 @@ class Agent:
             attempt += 1
             started = time.monotonic()
             self.bus.emit(events.WORKERS_STARTED, **asdict(info), pids=list(group.pids))
-            outcome = self._monitor(group)
+            try:
+                outcome = self._monitor(group)
+            except BaseException:
+                group.stop(signal.SIGTERM, config.shutdown_timeout)  # e.g. the store is gone
+                raise
 
             if outcome is Outcome.SUCCEEDED:
                 group.finish_output()
@@ -178,6 +182,7 @@ class Agent:
             )
             if self._sleep(decision.delay):
                 return self._stop_on_signal(group)
+            self.handler.request_new_round()  # every node restarts its workers with us
             self.bus.emit(events.WORKERS_RESTARTED, restart_count=restarts, cause="failure")
 
     def _stop_on_signal(self, group: WorkerGroup) -> tuple[int, str]:
@@ -262,19 +267,17 @@ class Agent:
         group.stop(signal.SIGTERM, self.config.shutdown_timeout)
         group.finish_output()
         now_wall, now_mono = time.time(), time.monotonic()
-        failures = sorted(
-            (failure_of(w, now_wall - (now_mono - _failed_at(w, now_mono))) for w in failed),
-            key=lambda failure: failure.timestamp,
-        )
-        for failure in failures:  # the root cause first
-            self.bus.emit(events.WORKER_FAILED, **asdict(failure))
-        return build_report(
+        failures = [failure_of(w, now_wall - (now_mono - _failed_at(w, now_mono))) for w in failed]
+        report = build_report(
             group.workers,
             failures,
             run_id=self.config.rdzv_id,
             restart_count=restarts,
             max_restarts=self.config.max_restarts,
         )
+        for failure in sorted(failures, key=lambda f: (f is not report.root, f.timestamp)):
+            self.bus.emit(events.WORKER_FAILED, **asdict(failure))  # the root cause first
+        return report
 
     def _report(self, report: FailureReport, reason: str) -> None:
         path = self.run_dir / "failure.json"

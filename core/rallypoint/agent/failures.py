@@ -1,6 +1,8 @@
 """Failure reports: which worker failed first, how, and the traceback it left.
 
-The root cause is the worker that failed first. Exit times alone mislead: a worker that
+The root cause is the worker that failed first, not counting workers whose last words say
+a peer failed (gloo's "Connection closed by peer", NCCL's aborted communicator). Exit
+times alone mislead: a worker that
 raises may spend a while finalising (closing its process group) while a peer notices the
 closed connection, raises and exits first. So a failure is dated by the moment the worker
 began printing a Python traceback, else by its exit; error-file timestamps (whole seconds)
@@ -95,6 +97,21 @@ def failure_of(worker: Worker, wall_time: float) -> WorkerFailure:
     )
 
 
+#: What a worker prints when it fails only because a peer did (gloo, NCCL): such a failure
+#: is a consequence, never the root cause, whatever the timing says.
+PEER_FAILURE_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote worker crashing",
+    "NCCL communicator was aborted",
+    "remote process exited or there was a network error",
+)
+
+
+def caused_by_peer(worker: Worker) -> bool:
+    return any(marker in line for line in worker.stderr_tail for marker in PEER_FAILURE_MARKERS)
+
+
 def build_report(
     workers: list[Worker],
     failures: list[WorkerFailure],
@@ -103,8 +120,10 @@ def build_report(
     restart_count: int,
     max_restarts: int,
 ) -> FailureReport:
-    root = min(failures, key=lambda f: f.timestamp)
-    worker = next(w for w in workers if w.spec.local_rank == root.local_rank)
+    by_rank = {w.spec.local_rank: w for w in workers}
+    primary = [f for f in failures if not caused_by_peer(by_rank[f.local_rank])]
+    root = min(primary or failures, key=lambda f: f.timestamp)
+    worker = by_rank[root.local_rank]
     trace = _read_traceback(worker.spec.error_file) or "".join(worker.stderr_tail)
     return FailureReport(
         run_id=run_id,

@@ -38,6 +38,10 @@ class RendezvousHandler(Protocol):
         """Nodes that arrived after the current round completed (they trigger a new round)."""
         ...
 
+    def request_new_round(self) -> None:
+        """This node's workers failed and will restart: make every node start a new round."""
+        ...
+
     def exit_barrier(self, timeout: float) -> None:
         """Wait, at most ``timeout`` seconds, for every node of the round to finish."""
         ...

@@ -26,10 +26,37 @@ def create_handler(config: LaunchConfig, registry: Registry, node: NodeSpec) -> 
                 master_port=config.master_port or DEFAULT_MASTER_PORT,
             )
         return LocalRendezvous(node, config.nproc_per_node, assigner)
+    if config.rdzv_backend == "c10d":
+        from rallypoint.builtins.rendezvous import C10D_DEFAULT_PORT
+        from rallypoint.rendezvous.protocol import Settings, StoreRendezvous
+        from rallypoint.rendezvous.tcpstore import TCPStoreClient
+
+        host, port = parse_endpoint(config.rdzv_endpoint or "localhost", C10D_DEFAULT_PORT)
+        store = TCPStoreClient(
+            host,
+            port,
+            is_host=config.rdzv_conf.get("is_host"),
+            timeout=float(config.rdzv_conf.get("read_timeout", 60.0)),
+        )
+        settings = Settings.from_conf(config.min_nodes, config.max_nodes, config.rdzv_conf)
+        return StoreRendezvous(
+            store, config.rdzv_id, node, config.nproc_per_node, assigner, settings
+        )
     raise UsageError(
-        f"--nnodes {_nnodes(config)}: jobs of more than one node need the multi-node "
-        "rendezvous, which this version does not have yet; run on one node (--nnodes 1)."
+        f"--nnodes {_nnodes(config)} with --rdzv-backend {config.rdzv_backend}: jobs of more "
+        "than one node run on the c10d backend in this version; the "
+        f"{config.rdzv_backend} backend runs jobs of one node (--nnodes 1)."
     )
+
+
+def parse_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
+    """``"host:port"`` (or ``"host"``) -> ``("host", port)``."""
+    host, sep, port = endpoint.strip().rpartition(":")
+    if not sep:
+        return endpoint.strip(), default_port
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--rdzv-endpoint {endpoint!r}: expected host:port.")
+    return host.strip("[]"), int(port)
 
 
 def _nnodes(config: LaunchConfig) -> str:

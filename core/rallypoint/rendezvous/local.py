@@ -67,6 +67,9 @@ class LocalRendezvous:
     def nodes_waiting(self) -> int:
         return 0
 
+    def request_new_round(self) -> None:
+        return None
+
     def exit_barrier(self, timeout: float) -> None:
         return None
 

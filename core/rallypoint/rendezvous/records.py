@@ -1,0 +1,107 @@
+"""What the rendezvous keeps in the store: JSON records, checked when read.
+
+Nothing read from a store is unpickled. Every record carries ``kind`` and ``version``; a
+record that is not valid JSON, has another kind or version, or lacks a field is reported
+as one clear error naming the key, never executed or half-used.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from rallypoint.rendezvous.store import StoreError
+
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """One node's entry in a round."""
+
+    node_id: str
+    host: str
+    nproc: int
+    port: int  # a master port this node holds, used if it becomes group rank 0
+    labels: dict[str, str] = field(default_factory=dict)
+    previous_rank: int | None = None
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """A closed round: its members, ordered by group rank, and where rank 0 listens."""
+
+    round: int
+    members: list[NodeRecord]
+    master_addr: str
+    master_port: int
+
+
+def encode(record: NodeRecord | RoundRecord) -> bytes:
+    kind = "node" if isinstance(record, NodeRecord) else "round"
+    return json.dumps({"kind": kind, "version": VERSION, **asdict(record)}).encode()
+
+
+def _load(key: str, raw: bytes, kind: str) -> dict[str, Any]:
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise StoreError(
+            f"rendezvous record {key!r} is not JSON; another program wrote it"
+        ) from None
+    if not isinstance(data, dict) or data.get("kind") != kind:
+        raise StoreError(f"rendezvous record {key!r} is not a rallypoint {kind} record")
+    if data.get("version") != VERSION:
+        raise StoreError(
+            f"rendezvous record {key!r} has version {data.get('version')!r}; this rallypoint "
+            f"reads version {VERSION} (are all nodes on the same rallypoint release?)"
+        )
+    return data
+
+
+def _node(key: str, data: Any) -> NodeRecord:
+    try:
+        record = NodeRecord(
+            node_id=str(data["node_id"]),
+            host=str(data["host"]),
+            nproc=int(data["nproc"]),
+            port=int(data["port"]),
+            labels={str(k): str(v) for k, v in dict(data.get("labels") or {}).items()},
+            previous_rank=None if data.get("previous_rank") is None else int(data["previous_rank"]),
+        )
+    except (KeyError, TypeError, ValueError) as error:
+        raise StoreError(f"rendezvous record {key!r} is malformed: {error!r}") from None
+    if record.nproc < 1 or not 0 <= record.port <= 65535:
+        raise StoreError(f"rendezvous record {key!r} is malformed: bad nproc or port")
+    return record
+
+
+def decode_node(key: str, raw: bytes) -> NodeRecord:
+    return _node(key, _load(key, raw, "node"))
+
+
+def decode_round(key: str, raw: bytes) -> RoundRecord:
+    data = _load(key, raw, "round")
+    try:
+        members = [_node(key, member) for member in data["members"]]
+        return RoundRecord(
+            round=int(data["round"]),
+            members=members,
+            master_addr=str(data["master_addr"]),
+            master_port=int(data["master_port"]),
+        )
+    except (KeyError, TypeError, ValueError) as error:
+        raise StoreError(f"rendezvous record {key!r} is malformed: {error!r}") from None
+
+
+def encode_int(value: int) -> bytes:
+    return json.dumps({"kind": "counter", "version": VERSION, "value": value}).encode()
+
+
+def decode_int(key: str, raw: bytes) -> int:
+    data = _load(key, raw, "counter")
+    try:
+        return int(data["value"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise StoreError(f"rendezvous record {key!r} is malformed: {error!r}") from None
