@@ -67,3 +67,12 @@ def install_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
 def pm() -> PluginManager:
     """A plugin manager built for this test from the current environment."""
     return build_plugin_manager()
+
+
+@pytest.fixture
+def agent_tmpdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Run directories of failed or killed agents land in this test's temporary directory."""
+    agent_tmp = tmp_path / "agent-tmp"
+    agent_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(agent_tmp))
+    return agent_tmp

@@ -23,12 +23,7 @@ VARYING = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
 DIFFERENT_BY_DESIGN = {"TORCHELASTIC_USE_AGENT_STORE"}
 
 
-@pytest.fixture(autouse=True)
-def _agent_temp_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run directories of failed or killed agents land in this test's temporary directory."""
-    agent_tmp = tmp_path / "agent-tmp"
-    agent_tmp.mkdir()
-    monkeypatch.setenv("TMPDIR", str(agent_tmp))
+pytestmark = pytest.mark.usefixtures("agent_tmpdir")
 
 
 def envs(output: str) -> dict[int, dict[str, str]]:

@@ -1,0 +1,1 @@
+"""Test helpers for rallypoint and for plugin authors (needs pytest)."""

@@ -1,0 +1,233 @@
+"""The conformance suite every ``CoordinationStore`` must pass.
+
+A backend's tests subclass ``StoreConformance`` and provide one fixture, ``connect``: a
+callable that returns a new client of one running store service (a real server, never a
+fake). Every test then runs against that service: the store operations first, then the
+rendezvous protocol on top of them (agreement under concurrent joins, run-id namespacing,
+scale-up, a full job, malformed records).
+
+    import pytest
+    from rallypoint.testing.store_conformance import StoreConformance
+
+    class TestMyStore(StoreConformance):
+        @pytest.fixture
+        def connect(self, my_server):
+            return lambda: MyStore(my_server.endpoint)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from rallypoint.builtins.rank_assigners import ordered
+from rallypoint.extensions import NodeSpec, RankAssigner
+from rallypoint.rendezvous.handler import Assignment
+from rallypoint.rendezvous.protocol import RendezvousTimeout, Settings, StoreRendezvous
+from rallypoint.rendezvous.store import CoordinationStore, StoreError
+
+Connect = Callable[[], CoordinationStore]
+
+_ORDERED = RankAssigner("ordered", "sorted by host and node id", ordered)
+
+
+def _in_threads(count: int, target: Callable[[int], Any], timeout: float = 60) -> list[Any]:
+    """Run ``target(i)`` in ``count`` threads at once; return results (or exceptions)."""
+    results: list[Any] = [None] * count
+    start = threading.Barrier(count)
+
+    def run(index: int) -> None:
+        start.wait()
+        try:
+            results[index] = target(index)
+        except Exception as error:  # handed to the test's assertions
+            results[index] = error
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+    return results
+
+
+class StoreConformance:
+    """Subclass with a ``connect`` fixture; every test runs against the real store."""
+
+    @pytest.fixture
+    def store(self, connect: Connect) -> Iterator[CoordinationStore]:
+        client = connect()
+        yield client
+        client.close()
+
+    @pytest.fixture
+    def prefix(self) -> str:
+        """Keys unique to one test, so tests never see each other's data."""
+        return f"/conformance/{uuid.uuid4().hex}/"
+
+    # --- the store operations -----------------------------------------------------------
+
+    def test_get_set_round_trip_bytes(self, store: CoordinationStore, prefix: str) -> None:
+        assert store.get(prefix + "absent") is None
+        value = bytes(range(256))
+        store.set(prefix + "key", value)
+        assert store.get(prefix + "key") == value
+
+    def test_add_is_atomic_under_concurrency(self, connect: Connect, prefix: str) -> None:
+        def add_many(_: int) -> list[int]:
+            client = connect()
+            try:
+                return [client.add(prefix + "counter", 1) for _ in range(50)]
+            finally:
+                client.close()
+
+        results = _in_threads(8, add_many)
+        seen = [value for values in results for value in values]
+        assert sorted(seen) == list(range(1, 401))
+        store = connect()
+        try:
+            assert store.add(prefix + "counter", 0) == 400
+        finally:
+            store.close()
+
+    def test_compare_set(self, store: CoordinationStore, prefix: str) -> None:
+        key = prefix + "cas"
+        assert store.compare_set(key, None, b"one") == b"one"
+        assert store.compare_set(key, None, b"two") == b"one"
+        assert store.compare_set(key, b"wrong", b"two") == b"one"
+        assert store.compare_set(key, b"one", b"two") == b"two"
+        assert store.get(key) == b"two"
+
+    def test_compare_set_has_one_winner(self, connect: Connect, prefix: str) -> None:
+        def claim(index: int) -> bool:
+            client = connect()
+            try:
+                desired = f"node{index}".encode()
+                return client.compare_set(prefix + "leader", None, desired) == desired
+            finally:
+                client.close()
+
+        assert sum(_in_threads(8, claim)) == 1
+
+    def test_wait_wakes_on_set_without_polling(self, connect: Connect, prefix: str) -> None:
+        waiter, setter = connect(), connect()
+        try:
+            threading.Timer(0.3, setter.set, args=(prefix + "ready", b"1")).start()
+            began = time.monotonic()
+            assert waiter.wait([prefix + "ready"], 10)
+            # Woken by the set, not by the 10 s timeout (the bound is generous on purpose).
+            assert time.monotonic() - began < 5
+        finally:
+            waiter.close()
+            setter.close()
+
+    def test_wait_times_out(self, store: CoordinationStore, prefix: str) -> None:
+        began = time.monotonic()
+        assert not store.wait([prefix + "never"], 0.3)
+        assert time.monotonic() - began < 2
+
+    def test_clone_is_a_second_connection(self, store: CoordinationStore, prefix: str) -> None:
+        clone = store.clone()
+        try:
+            result = _in_threads(1, lambda _: clone.add(prefix + "n", 5))
+            assert result == [5]
+            assert store.add(prefix + "n", 0) == 5
+        finally:
+            clone.close()
+
+    # --- the protocol on this store -----------------------------------------------------
+
+    def _node(
+        self, connect: Connect, run_id: str, name: str, low: int, high: int, **conf: float
+    ) -> StoreRendezvous:
+        settings = Settings.from_conf(low, high, {"last_call_timeout": 2.0, **conf})
+        node = NodeSpec(name, host="127.0.0.1")
+        return StoreRendezvous(connect(), run_id, node, 2, _ORDERED, settings)
+
+    def test_concurrent_joins_agree(self, connect: Connect) -> None:
+        run_id = uuid.uuid4().hex
+        # A last call of 60 s: the round must close when the 8th node joins, not after it.
+        nodes = [
+            self._node(connect, run_id, f"node{i}", 8, 8, last_call_timeout=60) for i in range(8)
+        ]
+        try:
+            began = time.monotonic()
+            assignments = _in_threads(8, lambda i: nodes[i].next_round())
+            took = time.monotonic() - began
+        finally:
+            for node in nodes:
+                node.close()
+        assert all(isinstance(a, Assignment) for a in assignments), assignments
+        infos = [a.info for a in assignments]
+        assert sorted(info.group_rank for info in infos) == list(range(8))
+        assert len({(info.members, info.master_port, info.round) for info in infos}) == 1
+        assert all(info.world_size == 16 for info in infos)
+        assert took < 30, "MAX nodes joined: the round must close then, not after the last call"
+
+    def test_run_ids_never_mix(self, connect: Connect) -> None:
+        runs = [uuid.uuid4().hex, uuid.uuid4().hex]
+        nodes = [self._node(connect, runs[i % 2], f"n{i}", 2, 2) for i in range(4)]
+        try:
+            assignments = _in_threads(4, lambda i: nodes[i].next_round())
+        finally:
+            for node in nodes:
+                node.close()
+        members = {run: set() for run in runs}  # type: dict[str, set[str]]
+        for index, assignment in enumerate(assignments):
+            members[runs[index % 2]].update(assignment.info.members)
+        assert members == {runs[0]: {"n0", "n2"}, runs[1]: {"n1", "n3"}}
+
+    def test_a_late_node_ends_the_round_when_there_is_room(self, connect: Connect) -> None:
+        run_id = uuid.uuid4().hex
+        first = self._node(connect, run_id, "a", 1, 2, last_call_timeout=0.5)
+        late = self._node(connect, run_id, "b", 1, 2, last_call_timeout=0.5)
+        try:
+            assert first.next_round().info.group_world_size == 1
+            assert first.nodes_waiting() == 0
+            joined: list[Any] = []
+            thread = threading.Thread(target=lambda: joined.append(late.next_round()), daemon=True)
+            thread.start()
+            deadline = time.monotonic() + 10
+            while first.nodes_waiting() == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert first.nodes_waiting() == 1
+            again = first.next_round()
+            thread.join(30)
+            assert again.info.group_world_size == 2
+            assert joined[0].info.members == again.info.members
+        finally:
+            first.close()
+            late.close()
+
+    def test_a_full_job_never_gets_a_second_round(self, connect: Connect) -> None:
+        run_id = uuid.uuid4().hex
+        members = [self._node(connect, run_id, f"m{i}", 1, 2) for i in range(2)]
+        extra = self._node(connect, run_id, "extra", 1, 2, join_timeout=3, last_call_timeout=0.5)
+        try:
+            assignments = _in_threads(2, lambda i: members[i].next_round())
+            assert all(a.info.group_world_size == 2 for a in assignments), assignments
+            with pytest.raises(RendezvousTimeout, match="this node was not needed"):
+                extra.next_round()
+            assert [m.nodes_waiting() for m in members] == [0, 0]
+        finally:
+            for node in [*members, extra]:
+                node.close()
+
+    def test_malformed_state_is_a_clear_error(self, connect: Connect) -> None:
+        run_id = uuid.uuid4().hex
+        writer = connect()
+        try:
+            writer.set(f"/rallypoint/{run_id}/state", b"\x80\x04K\x00.")  # a pickle
+        finally:
+            writer.close()
+        node = self._node(connect, run_id, "a", 1, 1)
+        try:
+            with pytest.raises(StoreError, match="is not JSON"):
+                node.next_round()
+        finally:
+            node.close()
