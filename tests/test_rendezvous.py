@@ -5,6 +5,7 @@ The protocol itself is checked store by store by ``rallypoint.testing.store_conf
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import time
@@ -144,3 +145,39 @@ def test_losing_the_store_host_is_reported_clearly(tmp_path: Path) -> None:
         ["pgrep", "-f", f"steps.py 30 {tmp_path}"], capture_output=True, text=True, timeout=10
     )
     assert leftovers.stdout.strip() == "", "orphan workers"
+
+
+def test_rendezvous_status_shows_the_running_round(tmp_path: Path) -> None:
+    port = free_port()
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    agents = [start_agent(port, "job", "2", worker("steps.py"), "30", str(tmp_path), log=logs[0])]
+    wait_for_store(port)
+    agents.append(
+        start_agent(port, "job", "2", worker("steps.py"), "30", str(tmp_path), log=logs[1])
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while "world=4" not in logs[0].read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "world=4" in logs[0].read_text(), logs[0].read_text()
+        endpoint = f"127.0.0.1:{port}"
+        common = ["--rdzv-endpoint", endpoint, "--rdzv-conf", "heartbeat_timeout=3"]
+        result = subprocess.run(
+            [RALLYPOINT, "rendezvous", "status", "--rdzv-id", "job", *common, "--json"],
+            env=clean_environment(), capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        other = subprocess.run(
+            [RALLYPOINT, "rendezvous", "status", "--rdzv-id", "other-job", *common],
+            env=clean_environment(), capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    finally:
+        for agent in agents:
+            agent.kill()
+            agent.wait(timeout=30)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["round"] == 0 and not report["forming"]
+    assert [m["group_rank"] for m in report["members"]] == [0, 1]
+    assert all(m["alive"] and m["nproc"] == 2 for m in report["members"])
+    assert report["waiting"] == 0
+    assert other.stdout.strip() == "run other-job: no rendezvous in this store"

@@ -121,11 +121,17 @@ class Agent:
             began = time.monotonic()
             assignment = self.handler.next_round()
             info = assignment.info
-            self.bus.emit(
-                events.RENDEZVOUS_COMPLETED,
-                **asdict(info),
-                duration_seconds=time.monotonic() - began,
-            )
+            took = time.monotonic() - began
+            self.bus.emit(events.RENDEZVOUS_COMPLETED, **asdict(info), duration_seconds=took)
+            if info.group_world_size > 1:
+                logger.info(
+                    "round %d: %d nodes, world size %d, this node is group rank %d (%.2f s)",
+                    info.round,
+                    info.group_world_size,
+                    info.world_size,
+                    info.group_rank,
+                    took,
+                )
             if nodes is not None and nodes != info.group_world_size:
                 self.bus.emit(
                     events.SCALE_CHANGED, old_nodes=nodes, new_nodes=info.group_world_size

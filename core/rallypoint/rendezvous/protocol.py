@@ -40,6 +40,10 @@ from rallypoint.rendezvous.store import CoordinationStore, StoreError
 logger = logging.getLogger("rallypoint.rendezvous")
 
 
+#: Seconds between "who has joined" lines while a node waits in a rendezvous.
+PROGRESS_INTERVAL = 5.0
+
+
 class RendezvousTimeout(RallypointError):
     """Not enough nodes joined in time."""
 
@@ -125,14 +129,48 @@ class StoreRendezvous:
         self._start_heartbeats()
         deadline = time.monotonic() + self.settings.join_timeout
         round_ = max(self._state(), (self.round + 1) if self.round is not None else 0)
-        while True:
-            record = self._join(round_, deadline)
-            if record is not None:
-                return self._assignment(record)
-            # Too late for this round: ask for a new one if there is room, else wait.
-            if len(self._closed(round_).members) < self.settings.max_nodes:
-                self._advance(round_, len(self._closed(round_).members) + 1)
-            round_ += 1
+        done = threading.Event()
+        progress = threading.Thread(
+            target=self._report_progress, args=(self.store.clone(), done, deadline), daemon=True
+        )
+        progress.start()
+        try:
+            while True:
+                record = self._join(round_, deadline)
+                if record is not None:
+                    return self._assignment(record)
+                # Too late for this round: ask for a new one if there is room, else wait.
+                if len(self._closed(round_).members) < self.settings.max_nodes:
+                    self._advance(round_, len(self._closed(round_).members) + 1)
+                round_ += 1
+        finally:
+            done.set()
+            progress.join(5)
+
+    def _report_progress(
+        self, store: CoordinationStore, done: threading.Event, deadline: float
+    ) -> None:
+        """While this node waits, say every few seconds who has joined and the time left."""
+        s = self.settings
+        try:
+            while not done.wait(PROGRESS_INTERVAL):
+                round_ = records.decode_int(
+                    self._key("state"), store.get(self._key("state")) or b""
+                )
+                joined = store.add(self._key(round_, "joined"), 0)
+                logger.info(
+                    "rendezvous round %d: %d of %d:%d nodes joined; %.0f s left before "
+                    "join_timeout",
+                    round_,
+                    joined,
+                    s.min_nodes,
+                    s.max_nodes,
+                    max(0.0, deadline - time.monotonic()),
+                )
+        except StoreError:
+            pass  # the joining thread reports store failures
+        finally:
+            store.close()
 
     def nodes_waiting(self) -> int:
         """1 when the job has moved past this node's round (a member left or a node came)."""
