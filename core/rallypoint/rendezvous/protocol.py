@@ -91,6 +91,11 @@ class StoreRendezvous:
         self._heartbeat: threading.Thread | None = None
         self._heartbeat_error: StoreError | None = None
         self._watch: tuple[int, records.NodeRecord, int] | None = None
+        # (join deadline, when the last progress line was printed) while next_round waits.
+        self._joining: tuple[float, float] | None = None
+        # The heartbeat thread's own connection, opened now rather than when many nodes
+        # join at once (simultaneous connects make a TCPStore server back off for seconds).
+        self._beat_store = store.clone()
         # Heartbeat counters seen, by node: (value, monotonic time it last changed).
         self._beats: dict[str, tuple[int, float]] = {}
 
@@ -129,11 +134,7 @@ class StoreRendezvous:
         self._start_heartbeats()
         deadline = time.monotonic() + self.settings.join_timeout
         round_ = max(self._state(), (self.round + 1) if self.round is not None else 0)
-        done = threading.Event()
-        progress = threading.Thread(
-            target=self._report_progress, args=(self.store.clone(), done, deadline), daemon=True
-        )
-        progress.start()
+        self._joining = (deadline, time.monotonic())
         try:
             while True:
                 record = self._join(round_, deadline)
@@ -144,33 +145,21 @@ class StoreRendezvous:
                     self._advance(round_, len(self._closed(round_).members) + 1)
                 round_ += 1
         finally:
-            done.set()
-            progress.join(5)
+            self._joining = None
 
-    def _report_progress(
-        self, store: CoordinationStore, done: threading.Event, deadline: float
-    ) -> None:
-        """While this node waits, say every few seconds who has joined and the time left."""
+    def _report_progress(self, store: CoordinationStore, deadline: float) -> None:
+        """While this node waits: who has joined, and the time left."""
         s = self.settings
-        try:
-            while not done.wait(PROGRESS_INTERVAL):
-                round_ = records.decode_int(
-                    self._key("state"), store.get(self._key("state")) or b""
-                )
-                joined = store.add(self._key(round_, "joined"), 0)
-                logger.info(
-                    "rendezvous round %d: %d of %d:%d nodes joined; %.0f s left before "
-                    "join_timeout",
-                    round_,
-                    joined,
-                    s.min_nodes,
-                    s.max_nodes,
-                    max(0.0, deadline - time.monotonic()),
-                )
-        except StoreError:
-            pass  # the joining thread reports store failures
-        finally:
-            store.close()
+        round_ = records.decode_int(self._key("state"), store.get(self._key("state")) or b"")
+        joined = store.add(self._key(round_, "joined"), 0)
+        logger.info(
+            "rendezvous round %d: %d of %d:%d nodes joined; %.0f s left before join_timeout",
+            round_,
+            joined,
+            s.min_nodes,
+            s.max_nodes,
+            max(0.0, deadline - time.monotonic()),
+        )
 
     def nodes_waiting(self) -> int:
         """1 when the job has moved past this node's round (a member left or a node came)."""
@@ -199,6 +188,7 @@ class StoreRendezvous:
         if self._port is not None:
             self._port.release()
             self._port = None
+        self._beat_store.close()
         self.store.close()
 
     # --- joining --------------------------------------------------------------------------
@@ -355,7 +345,7 @@ class StoreRendezvous:
             return
         self._stop_heartbeat = threading.Event()
         self._heartbeat = threading.Thread(
-            target=self._beat, args=(self.store.clone(), self._stop_heartbeat), daemon=True
+            target=self._beat, args=(self._beat_store, self._stop_heartbeat), daemon=True
         )
         self._heartbeat.start()
 
@@ -368,11 +358,15 @@ class StoreRendezvous:
     def _beat(self, store: CoordinationStore, stop: threading.Event) -> None:
         """Bump this node's heartbeat; in a round, watch the next member's (a ring) and end
         the round if it stopped."""
-        interval = self.settings.heartbeat_timeout / 3
+        interval = min(self.settings.heartbeat_timeout / 3, PROGRESS_INTERVAL)
         seen: tuple[str, int, float] | None = None  # (watched node, its counter, when it moved)
         try:
             while not stop.is_set():
                 store.add(self._key("hb", self.node.node_id), 1)
+                joining = self._joining
+                if joining is not None and time.monotonic() - joining[1] >= PROGRESS_INTERVAL:
+                    self._joining = (joining[0], time.monotonic())
+                    self._report_progress(store, joining[0])
                 watch = self._watch
                 if watch is not None:
                     round_, member, size = watch
@@ -393,5 +387,3 @@ class StoreRendezvous:
                 stop.wait(interval)
         except StoreError as error:
             self._heartbeat_error = error
-        finally:
-            store.close()
