@@ -60,13 +60,14 @@ def build_app(pm: PluginManager) -> typer.Typer:
     return app
 
 
-def _command_names(app: typer.Typer) -> list[str]:
+def _command_names(app: typer.Typer, commands: int = 0, groups: int = 0) -> list[str]:
+    """Names of the commands and groups registered after the first ``commands``/``groups``."""
     names = [
         info.name or typer.main.get_command_name(info.callback.__name__)
-        for info in app.registered_commands
+        for info in app.registered_commands[commands:]
         if info.callback is not None
     ]
-    names += [info.name or "" for info in app.registered_groups]
+    names += [info.name or "" for info in app.registered_groups[groups:]]
     return names
 
 
@@ -75,7 +76,7 @@ def _add_plugin_commands(app: typer.Typer, pm: PluginManager) -> None:
     taken = set(_command_names(app))
     commands, groups = len(app.registered_commands), len(app.registered_groups)
     for plugin_name, results in pm.call_each("register_commands", app=app):
-        added = _command_names(app)[len(taken) :]
+        added = _command_names(app, commands, groups)
         clashes = sorted(name for name in added if name in taken)
         if results is None or clashes:
             del app.registered_commands[commands:]
