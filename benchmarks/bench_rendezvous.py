@@ -355,6 +355,14 @@ def git_state() -> str:
     return f"{commit} + uncommitted changes to rendezvous/ (protocol.py sha256 {digest})"
 
 
+def heartbeat_wakeup() -> float | None:
+    """How often a joining node's heartbeat thread wakes with this benchmark's settings."""
+    from rallypoint.rendezvous import protocol
+
+    progress = getattr(protocol, "PROGRESS_INTERVAL", None)
+    return min(600 / 3, progress) if isinstance(progress, (int, float)) else 600 / 3
+
+
 # --- the run ------------------------------------------------------------------------------
 
 
@@ -490,6 +498,7 @@ def chart(results: dict[str, Any], sizes: Sequence[int]) -> str:
     )
     axis.plot([TARGET_NODES], [TARGET_SECONDS], marker="*", markersize=12, color="#d62728")
     axis.set_xscale("log", base=2)
+    axis.set_xlim(low / 1.4, high * 1.6)
     axis.set_yscale("log")
     axis.set_xticks(list(sizes))
     axis.set_xticklabels([str(n) for n in sizes])
@@ -608,7 +617,16 @@ def render(results: dict[str, Any], sizes: Sequence[int]) -> str:
         "  Once one N runs past the cap, larger N are not run.",
         "",
         "All nodes share one Python process and its GIL, so per-node Python work that real",
-        "nodes do in parallel is serialised here: the times are an upper bound for both.",
+        "nodes do in parallel is serialised here: the times are an upper bound for both. A",
+        "rallypoint node also runs a heartbeat thread, which wakes "
+        + (
+            f"every {results['heartbeat_wakeup_s']:g} s"
+            if results.get("heartbeat_wakeup_s")
+            else "every few seconds"
+        )
+        + " while it",
+        "waits (to bump its counter and report progress), so at N nodes the process runs 2N",
+        "threads; at large N, these and the N decodes of the round record compete for one GIL.",
         f"The machine has {os.cpu_count()} CPUs and was not otherwise idle; expect noise.",
         "",
         "![Rendezvous: time to form one round](" + results["chart"] + ")",
@@ -667,6 +685,7 @@ def main() -> None:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "git": git,
+        "heartbeat_wakeup_s": heartbeat_wakeup(),
         "dns": dns,
         "decode": {str(n): decode_cost(n) for n in sizes},
         "command": command,

@@ -93,8 +93,9 @@ class StoreRendezvous:
         self._watch: tuple[int, records.NodeRecord, int] | None = None
         # (join deadline, when the last progress line was printed) while next_round waits.
         self._joining: tuple[float, float] | None = None
-        # The heartbeat thread's own connection, opened now rather than when many nodes
-        # join at once (simultaneous connects make a TCPStore server back off for seconds).
+        # The heartbeat thread's own connection, opened now rather than inside next_round:
+        # torch's TCPStore client does a reverse DNS lookup on every connect, and a slow or
+        # dropped lookup (5 s resolver timeout) must not land in the timed join path.
         self._beat_store = store.clone()
         # Heartbeat counters seen, by node: (value, monotonic time it last changed).
         self._beats: dict[str, tuple[int, float]] = {}
