@@ -142,8 +142,9 @@ class StoreRendezvous:
                 if record is not None:
                     return self._assignment(record)
                 # Too late for this round: ask for a new one if there is room, else wait.
-                if len(self._closed(round_).members) < self.settings.max_nodes:
-                    self._advance(round_, len(self._closed(round_).members) + 1)
+                running = len(self._closed(round_).members)
+                if running < self.settings.max_nodes:
+                    self._advance(round_, running + 1)
                 round_ += 1
         finally:
             self._joining = None
