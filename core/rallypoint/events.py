@@ -72,7 +72,8 @@ class WorkerFailure:
         pid: its process id.
         exit_code: the exit status, or ``None`` when it died of a signal.
         signal: the signal's name (``"SIGKILL"``) when it died of one, else ``None``.
-        message: the root cause, from the worker's error file when it wrote one.
+        message: the root cause, from the worker's error file when it wrote one, else the
+            last line of the Python traceback it printed.
         timestamp: wall-clock time of the failure (seconds since the epoch).
     """
 

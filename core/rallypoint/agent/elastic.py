@@ -31,7 +31,7 @@ from typing import Any
 from rallypoint import events
 from rallypoint.agent.environment import WorkerSpec, worker_command, worker_environment
 from rallypoint.agent.eventbus import EventBus
-from rallypoint.agent.failures import FailureReport, build_report, describe_exit, failure_of
+from rallypoint.agent.failures import FailureReport, build_report, describe_failure, failure_of
 from rallypoint.agent.workers import Worker, WorkerGroup, output_rule
 from rallypoint.config import LaunchConfig
 from rallypoint.events import RunInfo
@@ -174,7 +174,7 @@ class Agent:
                     attempt_uptimes=tuple(uptimes),
                 )
             )
-            root = f"rank {report.root.rank} {describe_exit(report.root)}"
+            root = f"rank {report.root.rank} {describe_failure(report.root)}"
             if not decision.restart:
                 self._report(report, decision.reason)
                 return EXIT_WORKER_FAILURE, f"{root}; {decision.reason}"

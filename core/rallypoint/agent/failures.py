@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -77,6 +79,24 @@ def describe_exit(failure: WorkerFailure) -> str:
     return f"exit code {failure.exit_code}"
 
 
+def describe_failure(failure: WorkerFailure) -> str:
+    """One line: how the worker ended and, when known, the error it raised.
+
+    A worker can raise and then die of a signal while exiting (a collective library's
+    background thread aborting the interpreter's shutdown): the error says why it failed.
+    """
+    described = describe_exit(failure)
+    if failure.message:
+        message = " ".join(failure.message.split())
+        if len(message) > _MESSAGE_WIDTH:
+            message = message[: _MESSAGE_WIDTH - 3] + "..."
+        described += f" ({message})"
+    return described
+
+
+_MESSAGE_WIDTH = 160
+
+
 def failure_of(worker: Worker, wall_time: float) -> WorkerFailure:
     """Describe a worker that ended with a non-zero status, failing at ``wall_time``."""
     code = worker.returncode
@@ -92,7 +112,7 @@ def failure_of(worker: Worker, wall_time: float) -> WorkerFailure:
         pid=worker.pid,
         exit_code=None if signal_name else code,
         signal=signal_name,
-        message=_read_message(worker.spec.error_file),
+        message=_read_message(worker.spec.error_file) or exception_line(worker.stderr_tail),
         timestamp=wall_time,
     )
 
@@ -106,6 +126,22 @@ PEER_FAILURE_MARKERS = (
     "NCCL communicator was aborted",
     "remote process exited or there was a network error",
 )
+
+
+#: torch.distributed prefixes what an uncaught exception prints with the rank.
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ")
+
+
+def exception_line(lines: Iterable[str]) -> str:
+    """The ``Type: message`` line that ends the last Python traceback in ``lines``, if any."""
+    found = ""
+    in_traceback = False
+    for line in (_RANK_PREFIX.sub("", line, count=1) for line in lines):
+        if line.startswith("Traceback (most recent call last)"):
+            in_traceback, found = True, ""
+        elif in_traceback and line.strip() and not line[0].isspace():
+            found, in_traceback = line.strip(), False
+    return found
 
 
 def caused_by_peer(worker: Worker) -> bool:
