@@ -115,11 +115,6 @@ def test_underscore_spellings_are_accepted(script: str) -> None:
     assert result.returncode == 0, result.stderr
 
 
-def test_multi_node_jobs_need_the_c10d_backend_for_now(script: str) -> None:
-    result = rallypoint("run", "--nnodes", "2", "--master-port", "29512", script)
-    assert_one_line_error(result, "--nnodes 2 with --rdzv-backend static", "c10d backend")
-
-
 def test_environment_defaults_and_their_precedence(script: str) -> None:
     # PET_* (Kubeflow) is read ...
     assert_one_line_error(rallypoint("run", script, env={"PET_NNODES": "3:2"}), "'3:2'")

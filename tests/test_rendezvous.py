@@ -1,4 +1,5 @@
-"""Multi-node jobs: real agents as separate processes on the c10d backend, gloo workers.
+"""Multi-node jobs: real agents as separate processes on the c10d and static backends,
+gloo workers.
 
 The protocol itself is checked store by store by ``rallypoint.testing.store_conformance``
 (tests/test_store_conformance.py)."""
@@ -10,6 +11,7 @@ import re
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,13 +25,26 @@ pytestmark = pytest.mark.usefixtures("agent_tmpdir")
 
 
 def start_agent(
-    port: int, run_id: str, nnodes: str, *args: str, log: Path
+    port: int, run_id: str, nnodes: str, *args: str, log: Path, nproc: int = 2
 ) -> subprocess.Popen[str]:
     command = [
-        RALLYPOINT, "run", "--nnodes", nnodes, "--nproc-per-node", "2", "--max-restarts", "3",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
-        "--rdzv-conf", "heartbeat_timeout=3,last_call_timeout=1", *args,
+        RALLYPOINT, "run", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
+        "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+        "--rdzv-id", run_id, "--rdzv-conf", "heartbeat_timeout=3,last_call_timeout=1", *args,
     ]  # fmt: skip
+    return _popen(command, log)
+
+
+def start_static(port: int, nnodes: int, node_rank: int, *args: str, log: Path) -> Any:
+    command = [
+        RALLYPOINT, "run", "--nnodes", str(nnodes), "--nproc-per-node", "2",
+        "--node-rank", str(node_rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
+        "--rdzv-conf", "join_timeout=60", *args,
+    ]  # fmt: skip
+    return _popen(command, log)
+
+
+def _popen(command: list[str], log: Path) -> subprocess.Popen[str]:
     handle = log.open("w")
     return subprocess.Popen(
         command, env=clean_environment(), stdout=handle, stderr=subprocess.STDOUT, text=True
@@ -181,3 +196,95 @@ def test_rendezvous_status_shows_the_running_round(tmp_path: Path) -> None:
     assert all(m["alive"] and m["nproc"] == 2 for m in report["members"])
     assert report["waiting"] == 0
     assert other.stdout.strip() == "run other-job: no rendezvous in this store"
+
+
+def test_static_nodes_take_the_node_ranks_given(tmp_path: Path) -> None:
+    port = free_port()
+    logs = {rank: tmp_path / f"node{rank}.log" for rank in (1, 0)}
+    # Node rank 1 first: it waits for node rank 0, which hosts the store.
+    agents = [start_static(port, 2, r, worker("allreduce.py"), "5", log=logs[r]) for r in logs]
+    try:
+        codes = [agent.wait(timeout=180) for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+    output = {rank: log.read_text() for rank, log in logs.items()}
+    assert codes == [0, 0], output
+    for node_rank, text in output.items():
+        for local_rank in range(2):
+            rank = node_rank * 2 + local_rank
+            assert f"done rank={rank} world=4 attempt=0" in text, text
+
+
+def test_static_nodes_with_the_same_node_rank_are_a_clear_error(tmp_path: Path) -> None:
+    port = free_port()
+    logs = [tmp_path / f"node{i}.log" for i in range(3)]
+    ranks = [0, 1, 1]  # and no node rank 2
+    agents = [
+        start_static(port, 3, rank, worker("allreduce.py"), "5", log=log)
+        for rank, log in zip(ranks, logs, strict=True)
+    ]
+    try:
+        codes = [agent.wait(timeout=120) for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+    texts = [log.read_text() for log in logs]
+    assert all(code != 0 for code in codes), texts
+    for text in texts:
+        errors = [line for line in text.splitlines() if "error" in line]
+        assert len(errors) == 1, text
+        assert "--node-rank 1 was given to 2 nodes" in errors[0], text
+        assert "Traceback" not in text
+
+
+def test_two_runs_on_one_store_never_mix(tmp_path: Path) -> None:
+    port = free_port()
+    runs = ["job-a", "job-b", "job-a", "job-b"]
+    logs = [tmp_path / f"{run}-{i}.log" for i, run in enumerate(runs)]
+    events = [log.with_suffix(".jsonl") for log in logs]
+
+    def start(index: int) -> subprocess.Popen[str]:
+        script = ["--event-log", str(events[index]), worker("allreduce.py"), "3"]
+        return start_agent(port, runs[index], "2", *script, log=logs[index], nproc=1)
+
+    agents = [start(0)]
+    wait_for_store(port)
+    agents += [start(index) for index in range(1, 4)]
+    try:
+        codes = [agent.wait(timeout=180) for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+    texts = [log.read_text() for log in logs]
+    assert codes == [0, 0, 0, 0], texts
+    # Each run's two nodes are each other's members, and nobody else's.
+    node_ids, members = [], []
+    for path in events:
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        node_ids.append(records[0]["node"])
+        (completed,) = [r for r in records if r["event"] == "rendezvous_completed"]
+        members.append(set(completed["members"]))
+    assert members[0] == members[2] == {node_ids[0], node_ids[2]}
+    assert members[1] == members[3] == {node_ids[1], node_ids[3]}
+
+
+def test_a_malformed_record_in_the_store_is_a_clear_error(tmp_path: Path) -> None:
+    from rallypoint.rendezvous.tcpstore import TCPStoreClient
+
+    port = free_port()
+    store = TCPStoreClient("127.0.0.1", port, is_host=True, timeout=30)
+    try:
+        store.set("/rallypoint/job/state", b"\x80\x04K\x00.")  # a pickle: never loaded
+        log = tmp_path / "agent.log"
+        agent = start_agent(
+            port, "job", "2", "--rdzv-conf", "is_host=false", worker("allreduce.py"), "3", log=log
+        )
+        code = agent.wait(timeout=60)
+    finally:
+        store.close()
+    text = log.read_text()
+    assert code == 1, text
+    assert text.strip().splitlines()[-1].startswith("rallypoint: error: ")
+    assert "'/rallypoint/job/state' is not JSON" in text
+    assert "Traceback" not in text

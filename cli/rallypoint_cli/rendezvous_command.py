@@ -7,9 +7,11 @@ import json
 import typer
 
 from rallypoint.config import parse_options
+from rallypoint.extensions import RendezvousRequest
 from rallypoint.plugins import PluginManager
 from rallypoint.registry import RENDEZVOUS_BACKENDS
-from rallypoint.rendezvous.handlers import connect_store
+from rallypoint.rendezvous.handlers import connect
+from rallypoint.rendezvous.protocol import Keys, Settings
 from rallypoint.rendezvous.status import read_status
 
 
@@ -29,11 +31,12 @@ def register(app: typer.Typer, pm: PluginManager) -> None:
         conf = parse_options(
             rdzv_conf, backend.options, "--rdzv-conf", f"the {backend.name} backend"
         )
-        store = connect_store(backend.name, rdzv_endpoint, conf, host=False)
+        request = RendezvousRequest(rdzv_id, rdzv_endpoint, conf, viewer=True)
+        settings = Settings.from_conf(1, 1, conf)
+        store = connect(backend, request)
         try:
-            # Heartbeats are bumped every heartbeat_timeout / 3: watch a little longer.
-            sample = float(conf.get("heartbeat_timeout", 15.0)) / 3 + 0.5
-            report = read_status(store, rdzv_id, sample)
+            keys = Keys(settings.prefix, rdzv_id)
+            report = read_status(store, keys, rdzv_id, settings.heartbeat_timeout)
         finally:
             store.close()
         if as_json:
@@ -50,6 +53,8 @@ def register(app: typer.Typer, pm: PluginManager) -> None:
                 f"  rank {member['group_rank']}: {member['node_id']} on {member['host']}, "
                 f"{member['nproc']} workers, {health}"
             )
+        if report["error"]:
+            typer.echo(f"  the round failed: {report['error']}")
         typer.echo(f"  waiting to join: {report['waiting']}")
 
     app.add_typer(group, name="rendezvous")

@@ -11,9 +11,13 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rallypoint.events import Event, RunInfo, WorkerFailure
+
+if TYPE_CHECKING:
+    from rallypoint.rendezvous.handler import RendezvousHandler
+    from rallypoint.rendezvous.store import CoordinationStore
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 _TRUE = {"1", "true", "yes", "on"}
@@ -112,25 +116,70 @@ COMMON_RENDEZVOUS_OPTIONS: tuple[ConfigOption, ...] = (
     ConfigOption(
         "heartbeat_timeout", float, 15.0, "seconds without a heartbeat before a node is dead"
     ),
+    ConfigOption(
+        "retry_timeout", float, 60.0, "seconds to retry an unreachable store before giving up"
+    ),
 )
+
+
+@dataclass(frozen=True)
+class RendezvousRequest:
+    """What a rendezvous backend is given to serve one agent.
+
+    Attributes:
+        run_id: ``--rdzv-id``; everything the backend keeps is namespaced by it.
+        endpoint: ``--rdzv-endpoint`` as given (``""`` when it was not).
+        options: the validated ``--rdzv-conf`` values, every declared key present.
+        min_nodes, max_nodes: ``--nnodes MIN:MAX``.
+        nproc_per_node: workers on this node.
+        node: this node, as rank assigners see it.
+        rank_assigner: the ``--rank-assigner`` chosen.
+        node_rank, master_addr, master_port: torchrun's static-rendezvous flags.
+        viewer: ``True`` for a read-only look (``rallypoint rendezvous status``): connect to
+            the store, but never host, create or change anything.
+    """
+
+    run_id: str
+    endpoint: str
+    options: Mapping[str, Any]
+    min_nodes: int = 1
+    max_nodes: int = 1
+    nproc_per_node: int = 1
+    node: NodeSpec = field(default_factory=lambda: NodeSpec("viewer"))
+    rank_assigner: RankAssigner | None = None
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    viewer: bool = False
 
 
 @dataclass(frozen=True)
 class RendezvousBackend:
     """A rendezvous backend, chosen with ``--rdzv-backend NAME``.
 
+    A backend gives one of two things. ``connect``: a client of its coordination store
+    (``rallypoint.rendezvous.store.CoordinationStore``), on which core runs the whole
+    rendezvous protocol; this is the usual way, and the etcd and Redis plugins take it.
+    Or ``create_handler``: a complete ``rallypoint.rendezvous.handler.RendezvousHandler``,
+    for a backend with its own protocol.
+
     Attributes:
         name: the value of ``--rdzv-backend``.
         description: one line for ``rallypoint plugins`` and ``--help``.
         options: the ``--rdzv-conf`` keys it accepts; include ``COMMON_RENDEZVOUS_OPTIONS``
-            when the backend runs rallypoint's rendezvous protocol.
+            when the backend runs rallypoint's rendezvous protocol, and a ``prefix`` option
+            to put its keys under another root than ``/rallypoint``.
         endpoint_required: whether ``--rdzv-endpoint`` must be given.
+        connect: ``(request) -> CoordinationStore``, a new client of the store.
+        create_handler: ``(request) -> RendezvousHandler``, instead of ``connect``.
     """
 
     name: str
     description: str
     options: tuple[ConfigOption, ...] = ()
     endpoint_required: bool = True
+    connect: Callable[[RendezvousRequest], CoordinationStore] | None = None
+    create_handler: Callable[[RendezvousRequest], RendezvousHandler] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", normalise_name(self.name))

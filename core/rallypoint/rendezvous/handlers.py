@@ -2,70 +2,87 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from rallypoint.config import DEFAULT_MASTER_PORT, LaunchConfig
 from rallypoint.errors import UsageError
-from rallypoint.extensions import NodeSpec
-from rallypoint.registry import RANK_ASSIGNERS, Registry
+from rallypoint.extensions import NodeSpec, RendezvousBackend, RendezvousRequest
+from rallypoint.registry import RANK_ASSIGNERS, RENDEZVOUS_BACKENDS, Registry
 from rallypoint.rendezvous.handler import RendezvousHandler
-from rallypoint.rendezvous.local import LocalRendezvous
 from rallypoint.rendezvous.store import CoordinationStore
 
 
+def request_for(config: LaunchConfig, registry: Registry, node: NodeSpec) -> RendezvousRequest:
+    """What a backend is told about this node's launch."""
+    return RendezvousRequest(
+        run_id=config.rdzv_id,
+        endpoint=config.rdzv_endpoint,
+        options=config.rdzv_conf,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        nproc_per_node=config.nproc_per_node,
+        node=node,
+        rank_assigner=registry.get(RANK_ASSIGNERS, config.rank_assigner),
+        node_rank=config.node_rank,
+        master_addr=config.master_addr,
+        master_port=config.master_port,
+    )
+
+
 def create_handler(config: LaunchConfig, registry: Registry, node: NodeSpec) -> RendezvousHandler:
-    """The handler that runs ``config``'s rendezvous for this node."""
-    assigner = registry.get(RANK_ASSIGNERS, config.rank_assigner)
-    if config.max_nodes == 1:
-        # One node meets nobody, whatever the backend: as torchrun, whose default
-        # `--nnodes 1` runs the same standalone rendezvous.
-        if config.rdzv_backend == "static":
-            # torchrun's static rendezvous: the given master address, the given or default port.
-            return LocalRendezvous(
-                node,
-                config.nproc_per_node,
-                assigner,
-                master_addr=config.master_addr,
-                master_port=config.master_port or DEFAULT_MASTER_PORT,
-            )
-        return LocalRendezvous(node, config.nproc_per_node, assigner)
-    if config.rdzv_backend == "c10d":
-        from rallypoint.rendezvous.protocol import Settings, StoreRendezvous
+    """The handler that runs ``config``'s rendezvous for this node.
 
-        store = connect_store(config.rdzv_backend, config.rdzv_endpoint, config.rdzv_conf)
-        settings = Settings.from_conf(config.min_nodes, config.max_nodes, config.rdzv_conf)
-        return StoreRendezvous(
-            store, config.rdzv_id, node, config.nproc_per_node, assigner, settings
-        )
-    raise UsageError(
-        f"--nnodes {_nnodes(config)} with --rdzv-backend {config.rdzv_backend}: jobs of more "
-        "than one node run on the c10d backend in this version; the "
-        f"{config.rdzv_backend} backend runs jobs of one node (--nnodes 1)."
-    )
-
-
-def connect_store(
-    backend: str, endpoint: str, conf: Mapping[str, Any], *, host: bool | None = None
-) -> CoordinationStore:
-    """A client of ``backend``'s coordination store (only ``c10d`` has one in this version).
-
-    ``host`` overrides the backend's ``is_host`` setting (``False`` for a read-only view).
+    A job of one node meets nobody, whatever the backend (as torchrun, whose default
+    ``--nnodes 1`` is a standalone rendezvous): it runs the protocol on a store in this
+    process's memory. Otherwise the backend gives a whole handler, or a store for the
+    protocol.
     """
-    if backend != "c10d":
-        raise UsageError(
-            f"--rdzv-backend {backend}: has no coordination store in this version; use c10d."
-        )
-    from rallypoint.builtins.rendezvous import C10D_DEFAULT_PORT
-    from rallypoint.rendezvous.tcpstore import TCPStoreClient
+    request = request_for(config, registry, node)
+    backend = registry.get(RENDEZVOUS_BACKENDS, config.rdzv_backend)
+    if config.max_nodes == 1:
+        from rallypoint.rendezvous.memory import MemoryStore
 
-    address, port = parse_endpoint(endpoint or "localhost", C10D_DEFAULT_PORT)
-    return TCPStoreClient(
-        address,
-        port,
-        is_host=conf.get("is_host") if host is None else host,
-        timeout=float(conf.get("read_timeout", 60.0)),
+        if backend.name == "static":  # torchrun's: the given master address, a fixed port
+            port = config.master_port or DEFAULT_MASTER_PORT
+            return protocol_handler(MemoryStore(), request, config.master_addr, port)
+        return protocol_handler(MemoryStore(), request, "localhost")
+    if backend.create_handler is not None:
+        return backend.create_handler(request)
+    return protocol_handler(connect(backend, request), request)
+
+
+def protocol_handler(
+    store: CoordinationStore,
+    request: RendezvousRequest,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+) -> RendezvousHandler:
+    """Core's rendezvous protocol over ``store``, for the node ``request`` describes.
+
+    The workers' master address is group rank 0's host and a free port it holds, unless
+    ``master_addr`` and ``master_port`` fix them."""
+    from rallypoint.rendezvous.protocol import Settings, StoreRendezvous
+
+    assert request.rank_assigner is not None
+    settings = Settings.from_conf(request.min_nodes, request.max_nodes, request.options)
+    return StoreRendezvous(
+        store,
+        request.run_id,
+        request.node,
+        request.nproc_per_node,
+        request.rank_assigner,
+        settings,
+        master_addr=master_addr,
+        master_port=master_port,
     )
+
+
+def connect(backend: RendezvousBackend, request: RendezvousRequest) -> CoordinationStore:
+    """A client of ``backend``'s coordination store."""
+    if backend.connect is None:
+        raise UsageError(
+            f"--rdzv-backend {backend.name}: has no coordination store to "
+            f"{'inspect' if request.viewer else 'run the rendezvous protocol on'}."
+        )
+    return backend.connect(request)
 
 
 def parse_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
@@ -76,9 +93,3 @@ def parse_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
     if not port.isdigit() or not 0 < int(port) < 65536:
         raise UsageError(f"--rdzv-endpoint {endpoint!r}: expected host:port.")
     return host.strip("[]"), int(port)
-
-
-def _nnodes(config: LaunchConfig) -> str:
-    if config.min_nodes == config.max_nodes:
-        return str(config.max_nodes)
-    return f"{config.min_nodes}:{config.max_nodes}"

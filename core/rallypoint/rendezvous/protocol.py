@@ -1,10 +1,11 @@
 """The rendezvous protocol, written once over a ``CoordinationStore``.
 
-Keys live under ``/rallypoint/<run id>/``, so two jobs never meet. For round ``r``:
+Keys live under ``<prefix>/<run id>/`` (``prefix`` is ``/rallypoint`` unless the backend
+has a ``prefix`` option), so two jobs never meet. For round ``r``:
 
 * ``state`` - the round the job is in (a counter record); moving it from ``r`` to ``r+1``
   (compare-and-set) ends round ``r`` for everybody: a node died, a worker failed, or a
-  late node wants in.
+  late node wants in. ``r+1/open`` is set right after, and that is what members wait on.
 * ``r/joined`` - an atomic counter; each joiner's value is its join index ``i``.
 * ``r/node/<i>`` - the joiner's ``NodeRecord``; its existence also marks "``i`` joined",
   which is what the leader waits on, so waiting is event-driven (``wait`` on a key).
@@ -13,11 +14,14 @@ Keys live under ``/rallypoint/<run id>/``, so two jobs never meet. For round ``r
 * ``r/closed`` - the ``RoundRecord`` the leader (join index 1) writes: members ordered by
   group rank and the master address. One record, read once by each node.
 * ``r/done/<i>`` - the exit barrier.
-* ``hb/<node id>`` - a counter each member bumps every ``heartbeat_timeout / 3``; each
+* ``hb/<node id>`` - the node's liveness, kept by ``keep_alive`` every
+  ``heartbeat_timeout / 3`` (a counter on TCPStore, a lease on etcd, a TTL on Redis); each
   member watches the next one in rank order (a ring), so liveness costs O(N) in all.
 
 Every node does a constant number of operations per round, and the leader reads the N
-records once: the store sees O(N) operations per round, not O(N^2).
+records in one request: the store sees O(N) operations per round, not O(N^2). An
+unreachable store (``StoreUnavailable``) is retried with backoff for ``retry_timeout``
+seconds; running workers are not touched meanwhile.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from rallypoint.errors import RallypointError
 from rallypoint.events import RoundInfo
@@ -35,17 +39,26 @@ from rallypoint.extensions import NodeSpec, RankAssigner
 from rallypoint.rendezvous import records
 from rallypoint.rendezvous.handler import Assignment
 from rallypoint.rendezvous.ports import PortReservation
-from rallypoint.rendezvous.store import CoordinationStore, StoreError
+from rallypoint.rendezvous.store import CoordinationStore, StoreError, StoreUnavailable
 
 logger = logging.getLogger("rallypoint.rendezvous")
 
+T = TypeVar("T")
 
 #: Seconds between "who has joined" lines while a node waits in a rendezvous.
 PROGRESS_INTERVAL = 5.0
+#: The longest the heartbeat thread blocks in one store call while a round runs; it bounds
+#: how long closing the handler waits for the thread.
+WAKE_SLICE = 0.5
+DEFAULT_PREFIX = "/rallypoint"
 
 
 class RendezvousTimeout(RallypointError):
     """Not enough nodes joined in time."""
+
+
+class RendezvousFailed(RallypointError):
+    """The round's leader could not form it; the message is its reason."""
 
 
 @dataclass(frozen=True)
@@ -58,11 +71,103 @@ class Settings:
     last_call_timeout: float = 30.0
     close_timeout: float = 30.0
     heartbeat_timeout: float = 15.0
+    retry_timeout: float = 60.0
+    prefix: str = DEFAULT_PREFIX
 
     @classmethod
     def from_conf(cls, min_nodes: int, max_nodes: int, conf: Mapping[str, Any]) -> Settings:
-        names = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout")
-        return cls(min_nodes, max_nodes, **{n: float(conf[n]) for n in names if n in conf})
+        names = (
+            "join_timeout",
+            "last_call_timeout",
+            "close_timeout",
+            "heartbeat_timeout",
+            "retry_timeout",
+        )
+        values: dict[str, Any] = {n: float(conf[n]) for n in names if conf.get(n) is not None}
+        if conf.get("prefix"):
+            values["prefix"] = str(conf["prefix"])
+        return cls(min_nodes, max_nodes, **values)
+
+
+class Keys:
+    """Where a run keeps what, under ``<prefix>/<run id>/``."""
+
+    def __init__(self, prefix: str, run_id: str) -> None:
+        self.root = f"{prefix.rstrip('/')}/{run_id}/"
+
+    def state(self) -> str:
+        return self.root + "state"
+
+    def of_round(self, round_: int, *parts: object) -> str:
+        return self.root + "/".join(str(p) for p in (round_, *parts))
+
+    def heartbeat(self, node_id: str) -> str:
+        return self.root + f"hb/{node_id}"
+
+
+class RetryingStore:
+    """A store whose operations ride out an outage: ``StoreUnavailable`` is retried with
+    exponential backoff (0.1 s doubling to 2 s) for ``retry_timeout`` seconds, then it
+    becomes a ``StoreError`` that says how long the store was unreachable."""
+
+    def __init__(self, store: CoordinationStore, retry_timeout: float) -> None:
+        self.store = store
+        self.retry_timeout = retry_timeout
+
+    def _retry(self, operation: Callable[[], T]) -> T:
+        began: float | None = None
+        delay = 0.1
+        while True:
+            try:
+                result = operation()
+            except StoreUnavailable as error:
+                now = time.monotonic()
+                if began is None:
+                    began = now
+                    logger.warning("rendezvous store unreachable (%s); retrying", error)
+                if now - began >= self.retry_timeout:
+                    raise StoreError(
+                        f"{error}; still unreachable after retry_timeout={self.retry_timeout:g} s"
+                    ) from None
+                time.sleep(min(delay, self.retry_timeout - (now - began)))
+                delay = min(delay * 2, 2.0)
+                continue
+            if began is not None:
+                logger.info(
+                    "rendezvous store reachable again after %.1f s", time.monotonic() - began
+                )
+            return result
+
+    def add(self, key: str, amount: int) -> int:
+        return self._retry(lambda: self.store.add(key, amount))
+
+    def get(self, key: str) -> bytes | None:
+        return self._retry(lambda: self.store.get(key))
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        return self._retry(lambda: self.store.get_many(keys))
+
+    def set(self, key: str, value: bytes) -> None:
+        self._retry(lambda: self.store.set(key, value))
+
+    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bytes:
+        return self._retry(lambda: self.store.compare_set(key, expected, desired))
+
+    def wait(self, keys: Sequence[str], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        return self._retry(lambda: self.store.wait(keys, max(0.0, deadline - time.monotonic())))
+
+    def keep_alive(self, key: str, ttl: float) -> None:
+        self._retry(lambda: self.store.keep_alive(key, ttl))
+
+    def alive(self, key: str, ttl: float) -> bool:
+        return self._retry(lambda: self.store.alive(key, ttl))
+
+    def clone(self) -> RetryingStore:
+        return RetryingStore(self._retry(self.store.clone), self.retry_timeout)
+
+    def close(self) -> None:
+        self.store.close()
 
 
 class StoreRendezvous:
@@ -76,37 +181,40 @@ class StoreRendezvous:
         nproc_per_node: int,
         assigner: RankAssigner,
         settings: Settings,
+        *,
+        master_addr: str | None = None,
+        master_port: int | None = None,
     ) -> None:
-        self.store = store
-        self.prefix = f"/rallypoint/{run_id}/"
+        self.store = RetryingStore(store, settings.retry_timeout)
+        self.keys = Keys(settings.prefix, run_id)
         self.node = node
         self.nproc = nproc_per_node
         self.assigner = assigner
         self.settings = settings
+        # Given (the static backend), else group rank 0's host and a free port it holds.
+        self.master_addr = master_addr
+        self.master_port = master_port
         self.round: int | None = None
         self.rank: int | None = None
-        self.members: list[records.NodeRecord] = []
+        self.record: records.RoundRecord | None = None
         self._port: PortReservation | None = None
         self._stop_heartbeat = threading.Event()
+        self._wake_heartbeat = threading.Event()  # set when joining ends, or to stop
         self._heartbeat: threading.Thread | None = None
         self._heartbeat_error: StoreError | None = None
-        self._watch: tuple[int, records.NodeRecord, int] | None = None
-        # (join deadline, when the last progress line was printed) while next_round waits.
-        self._joining: tuple[float, float] | None = None
+        self._watch: tuple[int, str, str, int] | None = None  # round, node, host, size
+        self._round_ended = -1  # the newest round the heartbeat thread saw end
+        # The join deadline while next_round waits (written by next_round only).
+        self._joining: float | None = None
         # The heartbeat thread's own connection, opened now rather than inside next_round:
         # torch's TCPStore client does a reverse DNS lookup on every connect, and a slow or
         # dropped lookup (5 s resolver timeout) must not land in the timed join path.
-        self._beat_store = store.clone()
-        # Heartbeat counters seen, by node: (value, monotonic time it last changed).
-        self._beats: dict[str, tuple[int, float]] = {}
+        self._beat_store = self.store.clone()
 
-    # --- keys -----------------------------------------------------------------------------
-
-    def _key(self, *parts: object) -> str:
-        return self.prefix + "/".join(str(p) for p in parts)
+    # --- state ----------------------------------------------------------------------------
 
     def _state(self) -> int:
-        key = self._key("state")
+        key = self.keys.state()
         raw = self.store.get(key)
         if raw is None:
             raw = self.store.compare_set(key, None, records.encode_int(0))
@@ -121,68 +229,59 @@ class StoreRendezvous:
         written before the round changes, so the next leader always finds it.
         """
         store = store or self.store
-        store.compare_set(self._key(from_round + 1, "expected"), None, records.encode_int(expected))
-        store.compare_set(
-            self._key("state"), records.encode_int(from_round), records.encode_int(from_round + 1)
-        )
+        keys = self.keys
+        store.compare_set(keys.of_round(from_round + 1, "expected"), None, _int(expected))
+        store.compare_set(keys.state(), _int(from_round), _int(from_round + 1))
         # Only an opened round may close: a node that came to a full job waits for this.
-        store.set(self._key(from_round + 1, "open"), b"1")
+        store.set(keys.of_round(from_round + 1, "open"), b"1")
 
     # --- RendezvousHandler ----------------------------------------------------------------
 
     def next_round(self) -> Assignment:
         self._watch = None  # the previous round's ring no longer applies
-        self._start_heartbeats()
         deadline = time.monotonic() + self.settings.join_timeout
+        self._joining = deadline
+        self._start_heartbeats()
         round_ = max(self._state(), (self.round + 1) if self.round is not None else 0)
-        self._joining = (deadline, time.monotonic())
         try:
             while True:
                 record = self._join(round_, deadline)
                 if record is not None:
                     return self._assignment(record)
                 # Too late for this round: ask for a new one if there is room, else wait.
-                running = len(self._closed(round_).members)
+                running = len(self._closed(round_).node_ids)
                 if running < self.settings.max_nodes:
                     self._advance(round_, running + 1)
                 round_ += 1
         finally:
             self._joining = None
-
-    def _report_progress(self, store: CoordinationStore, deadline: float) -> None:
-        """While this node waits: who has joined, and the time left."""
-        s = self.settings
-        round_ = records.decode_int(self._key("state"), store.get(self._key("state")) or b"")
-        joined = store.add(self._key(round_, "joined"), 0)
-        logger.info(
-            "rendezvous round %d: %d of %d:%d nodes joined; %.0f s left before join_timeout",
-            round_,
-            joined,
-            s.min_nodes,
-            s.max_nodes,
-            max(0.0, deadline - time.monotonic()),
-        )
+            self._wake_heartbeat.set()
 
     def nodes_waiting(self) -> int:
-        """1 when the job has moved past this node's round (a member left or a node came)."""
+        """1 when the job has moved past this node's round (a member left or a node came).
+
+        The heartbeat thread waits on the next round's ``open`` key; this only reads what
+        it found, so the agent's monitor loop costs the store nothing.
+        """
         if self._heartbeat_error is not None:
             raise self._heartbeat_error
         if self.round is None:
             return 0
-        return 1 if self._state() > self.round else 0
+        return 1 if self._round_ended >= self.round else 0
 
     def request_new_round(self) -> None:
         """After a local failure: end the round so that every node restarts its workers."""
-        if self.round is not None:
-            self._advance(self.round, len(self.members))
+        if self.round is not None and self.record is not None:
+            self._advance(self.round, len(self.record.node_ids))
 
     def exit_barrier(self, timeout: float) -> None:
-        if self.round is None:
+        if self.round is None or self.record is None:
             return
-        done = self.store.add(self._key(self.round, "done"), 1)
-        self.store.set(self._key(self.round, "done", done), b"1")
+        done = self.store.add(self.keys.of_round(self.round, "done"), 1)
+        self.store.set(self.keys.of_round(self.round, "done", done), b"1")
         self._watch = None  # finished nodes stop beating at different times
-        if not self.store.wait([self._key(self.round, "done", len(self.members))], timeout):
+        last = self.keys.of_round(self.round, "done", len(self.record.node_ids))
+        if not self.store.wait([last], timeout):
             logger.warning("exit barrier: not every node finished within %.0f s", timeout)
 
     def close(self) -> None:
@@ -197,10 +296,8 @@ class StoreRendezvous:
 
     def _join(self, round_: int, deadline: float) -> records.RoundRecord | None:
         """Join ``round_``; return its record if this node is a member, None if too late."""
-        previous_port, self._port = self._port, PortReservation()
-        if previous_port is not None:
-            previous_port.release()  # after taking the new one: attempts never share a port
-        index = self.store.add(self._key(round_, "joined"), 1)
+        self._port = self._reserve_port()
+        index = self.store.add(self.keys.of_round(round_, "joined"), 1)
         mine = records.NodeRecord(
             node_id=self.node.node_id,
             host=self.node.host,
@@ -209,38 +306,60 @@ class StoreRendezvous:
             labels=dict(self.node.labels),
             previous_rank=self.rank,
         )
-        self.store.set(self._key(round_, "node", index), records.encode(mine))
+        self.store.set(self.keys.of_round(round_, "node", index), records.encode(mine))
         if index == 1:
             self._lead(round_, deadline)
-        closed_key = self._key(round_, "closed")
+        closed_key = self.keys.of_round(round_, "closed")
         if not self.store.wait([closed_key], max(0.0, deadline - time.monotonic())):
             raise RendezvousTimeout(
                 f"rendezvous round {round_}: fewer than {self.settings.min_nodes} nodes joined "
                 f"within join_timeout={self.settings.join_timeout:g} s"
             )
         record = self._closed(round_)
-        if any(member.node_id == self.node.node_id for member in record.members):
+        if self.node.node_id in record.node_ids:
             return record
         return None
 
+    def _reserve_port(self) -> PortReservation:
+        """This round's master port, held until the next round: a free one, taken while the
+        previous is still held so that attempts never share a port; or the fixed one."""
+        previous, self._port = self._port, None
+        if self.master_port and previous is not None:
+            previous.release()  # the same port again: let go of it first
+            previous = None
+        try:
+            return PortReservation(self.master_port or 0)
+        except OSError as error:
+            raise RallypointError(
+                f"--master-port {self.master_port}: cannot use it on this host "
+                f"({error.strerror}); choose another port or leave --master-port out to get a free one."
+            ) from None
+        finally:
+            if previous is not None:
+                previous.release()
+
     def _closed(self, round_: int) -> records.RoundRecord:
-        key = self._key(round_, "closed")
+        key = self.keys.of_round(round_, "closed")
         raw = self.store.get(key)
         if raw is None:
             raise StoreError(f"rendezvous record {key!r} vanished from the store")
-        return records.decode_round(key, raw)
+        record = records.decode_round(key, raw)
+        if record.error:
+            raise RendezvousFailed(record.error)
+        return record
 
     def _lead(self, round_: int, deadline: float) -> None:
         """As the first joiner: wait for enough nodes, then close the round."""
         s = self.settings
+        keys = self.keys
         if round_ > 0 and not self.store.wait(
-            [self._key(round_, "open")], max(0.0, deadline - time.monotonic())
+            [keys.of_round(round_, "open")], max(0.0, deadline - time.monotonic())
         ):
             raise RendezvousTimeout(
                 f"rendezvous round {round_}: the job kept running with its {s.max_nodes} nodes "
                 f"(the maximum) for join_timeout={s.join_timeout:g} s; this node was not needed"
             )
-        need = self._key(round_, "node", s.min_nodes)
+        need = keys.of_round(round_, "node", s.min_nodes)
         if not self.store.wait([need], max(0.0, deadline - time.monotonic())):
             raise RendezvousTimeout(
                 f"rendezvous round {round_}: fewer than {s.min_nodes} nodes joined within "
@@ -249,100 +368,111 @@ class StoreRendezvous:
         previous = self._closed(round_ - 1) if round_ > 0 else None
         if previous is None:
             # A new job: last call for more nodes, closing at once when MAX are in.
-            self.store.wait([self._key(round_, "node", s.max_nodes)], s.last_call_timeout)
+            self.store.wait([keys.of_round(round_, "node", s.max_nodes)], s.last_call_timeout)
+            count = min(self.store.add(keys.of_round(round_, "joined"), 0), s.max_nodes)
+            nodes = self._joined(round_, count)
         else:
-            self._wait_for_survivors(round_, previous)
-        count = min(self.store.add(self._key(round_, "joined"), 0), s.max_nodes)
-        nodes = self._joined(round_, count)
+            nodes = self._wait_for_survivors(round_, previous)
+        try:
+            record = self._form(round_, nodes)
+        except RallypointError as error:
+            failed = records.RoundRecord(round_, (), (), (), "", 0, error=str(error))
+            self.store.set(keys.of_round(round_, "closed"), records.encode(failed))
+            raise
+        self.store.set(keys.of_round(round_, "closed"), records.encode(record))
+
+    def _form(self, round_: int, nodes: list[records.NodeRecord]) -> records.RoundRecord:
+        """Order the joiners by the rank assigner's ranks."""
         specs = [
             NodeSpec(n.node_id, host=n.host, labels=n.labels, previous_rank=n.previous_rank)
             for n in nodes
         ]
         ranks = list(self.assigner.assign(specs))
+        if sorted(ranks) != list(range(len(nodes))):
+            raise RendezvousFailed(
+                f"rank assigner {self.assigner.name!r} returned {ranks} for {len(nodes)} "
+                f"nodes; it must return each of 0..{len(nodes) - 1} once"
+            )
         ordered = [node for _, node in sorted(zip(ranks, nodes, strict=True), key=lambda p: p[0])]
-        record = records.RoundRecord(
+        return records.RoundRecord(
             round=round_,
-            members=ordered,
-            master_addr=ordered[0].host,
+            node_ids=tuple(n.node_id for n in ordered),
+            hosts=tuple(n.host for n in ordered),
+            nprocs=tuple(n.nproc for n in ordered),
+            master_addr=self.master_addr or ordered[0].host,
             master_port=ordered[0].port,
         )
-        self.store.set(self._key(round_, "closed"), records.encode(record))
 
     def _joined(self, round_: int, count: int, start: int = 1) -> list[records.NodeRecord]:
-        keys = [self._key(round_, "node", i) for i in range(start, count + 1)]
+        """The records of joiners ``start..count``, in one read once they are all written."""
+        keys = [self.keys.of_round(round_, "node", i) for i in range(start, count + 1)]
+        if not keys:
+            return []
         if not self.store.wait(keys, self.settings.close_timeout):
             raise RendezvousTimeout(f"rendezvous round {round_}: joiners did not finish joining")
-        return [records.decode_node(key, self.store.get(key) or b"") for key in keys]
+        values = self.store.get_many(keys)
+        return [records.decode_node(k, v or b"") for k, v in zip(keys, values, strict=True)]
 
-    def _wait_for_survivors(self, round_: int, previous: records.RoundRecord) -> None:
+    def _wait_for_survivors(
+        self, round_: int, previous: records.RoundRecord
+    ) -> list[records.NodeRecord]:
         """A re-formed round closes once every live member of the last one is back (and the
         newcomers it expects), without waiting out the last call for nodes that died.
 
-        A member is dead when its heartbeat counter has not moved for heartbeat_timeout.
-        Joins are awaited on the store (event-driven); between them the leader looks at the
-        heartbeats every heartbeat_timeout / 3.
+        Joins are awaited on the store (event-driven); between them the leader asks the
+        store, every heartbeat_timeout / 3, whether the members still missing are alive.
         """
         s = self.settings
-        raw = self.store.get(self._key(round_, "expected"))
-        expected = records.decode_int(self._key(round_, "expected"), raw) if raw else 0
-        newcomers = max(0, expected - len(previous.members))
-        # Start from what the ring watcher already saw: a neighbour that died during the
-        # last round is known dead sooner.
-        beats = dict(self._beats)
-        joined: set[str] = set()
+        keys = self.keys
+        raw = self.store.get(keys.of_round(round_, "expected"))
+        expected = records.decode_int(keys.of_round(round_, "expected"), raw) if raw else 0
+        newcomers = max(0, expected - len(previous.node_ids))
+        nodes: list[records.NodeRecord] = []
         end = time.monotonic() + s.last_call_timeout
-        while time.monotonic() < end:
-            count = self.store.add(self._key(round_, "joined"), 0)
-            if count >= s.max_nodes:
-                return
-            # Each record is read once, whatever the number of passes.
-            joined |= {n.node_id for n in self._joined(round_, count, start=len(joined) + 1)}
-            now = time.monotonic()
-            missing = []
-            for member in previous.members:
-                if member.node_id in joined:
-                    continue
-                value = self.store.add(self._key("hb", member.node_id), 0)
-                last = beats.get(member.node_id)
-                if last is None or last[0] != value:
-                    beats[member.node_id] = (value, now)
-                    missing.append(member)
-                elif now - last[1] < s.heartbeat_timeout:
-                    missing.append(member)
-            back = sum(1 for member in previous.members if member.node_id in joined)
+        while True:
+            count = min(self.store.add(keys.of_round(round_, "joined"), 0), s.max_nodes)
+            nodes += self._joined(round_, count, start=len(nodes) + 1)  # each read once
+            if count >= s.max_nodes or time.monotonic() >= end:
+                return nodes
+            joined = {n.node_id for n in nodes}
+            missing = [
+                node_id
+                for node_id in previous.node_ids
+                if node_id not in joined
+                and self.store.alive(keys.heartbeat(node_id), s.heartbeat_timeout)
+            ]
+            back = sum(1 for node_id in previous.node_ids if node_id in joined)
             if not missing and count >= max(s.min_nodes, min(s.max_nodes, back + newcomers)):
-                return
+                return nodes
             slice_ = min(s.heartbeat_timeout / 3, max(0.0, end - time.monotonic()))
-            self.store.wait([self._key(round_, "node", count + 1)], slice_)
+            self.store.wait([keys.of_round(round_, "node", count + 1)], slice_)
 
     def _assignment(self, record: records.RoundRecord) -> Assignment:
         self.round = record.round
-        self.members = record.members
-        self.rank = next(i for i, m in enumerate(record.members) if m.node_id == self.node.node_id)
+        self.record = record
+        self.rank = record.node_ids.index(self.node.node_id)
         if self.rank != 0 and self._port is not None:
             self._port.release()  # only group rank 0's port is used
             self._port = None
+        size = len(record.node_ids)
         info = RoundInfo(
             round=record.round,
             group_rank=self.rank,
-            group_world_size=len(record.members),
-            world_size=sum(m.nproc for m in record.members),
+            group_world_size=size,
+            world_size=sum(record.nprocs),
             master_addr=record.master_addr,
             master_port=record.master_port,
-            members=tuple(m.node_id for m in record.members),
+            members=record.node_ids,
         )
-        if len(record.members) > 1:
-            self._watch = (
-                record.round,
-                record.members[(self.rank + 1) % len(record.members)],
-                len(record.members),
-            )
-        return Assignment(info, tuple(m.nproc for m in record.members))
+        if size > 1:
+            neighbour = (self.rank + 1) % size
+            self._watch = (record.round, record.node_ids[neighbour], record.hosts[neighbour], size)
+        return Assignment(info, record.nprocs)
 
     # --- liveness -------------------------------------------------------------------------
 
     def _start_heartbeats(self) -> None:
-        """Bump this node's heartbeat from its first join until ``close``."""
+        """Keep this node alive from its first join until ``close``."""
         if self._heartbeat is not None:
             return
         self._stop_heartbeat = threading.Event()
@@ -353,39 +483,80 @@ class StoreRendezvous:
 
     def _stop_heartbeats(self) -> None:
         self._stop_heartbeat.set()
+        self._wake_heartbeat.set()
         if self._heartbeat is not None:
-            self._heartbeat.join(5)
+            self._heartbeat.join(WAKE_SLICE + 1)
             self._heartbeat = None
 
     def _beat(self, store: CoordinationStore, stop: threading.Event) -> None:
-        """Bump this node's heartbeat; in a round, watch the next member's (a ring) and end
-        the round if it stopped."""
-        interval = min(self.settings.heartbeat_timeout / 3, PROGRESS_INTERVAL)
-        seen: tuple[str, int, float] | None = None  # (watched node, its counter, when it moved)
+        """The heartbeat thread: keep this node alive every heartbeat_timeout / 3; while
+        joining, print progress; in a round, watch the next member (a ring) and wait for
+        the round to end (the next round's ``open`` key), so that ``nodes_waiting`` is a
+        read of memory."""
+        ttl = self.settings.heartbeat_timeout
+        next_beat = 0.0
+        progress: tuple[float, float] | None = None  # (join deadline, next progress line)
         try:
             while not stop.is_set():
-                store.add(self._key("hb", self.node.node_id), 1)
+                now = time.monotonic()
+                if now >= next_beat:
+                    store.keep_alive(self.keys.heartbeat(self.node.node_id), ttl)
+                    self._check_neighbour(store)
+                    next_beat = now + ttl / 3
                 joining = self._joining
-                if joining is not None and time.monotonic() - joining[1] >= PROGRESS_INTERVAL:
-                    self._joining = (joining[0], time.monotonic())
-                    self._report_progress(store, joining[0])
-                watch = self._watch
-                if watch is not None:
-                    round_, member, size = watch
-                    value = store.add(self._key("hb", member.node_id), 0)
-                    now = time.monotonic()
-                    if seen is None or seen[0] != member.node_id or seen[1] != value:
-                        seen = (member.node_id, value, now)
-                        self._beats[member.node_id] = (value, now)
-                    elif now - seen[2] > self.settings.heartbeat_timeout:
-                        logger.warning(
-                            "node %s (host %s) sent no heartbeat for %.0f s: starting a new round",
-                            member.node_id,
-                            member.host,
-                            now - seen[2],
-                        )
-                        self._watch = None
-                        self._advance(round_, size - 1, store)
-                stop.wait(interval)
+                if joining is None:
+                    progress = None
+                elif progress is None or progress[0] != joining:
+                    progress = (joining, now + PROGRESS_INTERVAL)
+                elif now >= progress[1]:
+                    progress = (joining, now + PROGRESS_INTERVAL)
+                    self._report_progress(store, joining)
+                until_beat = max(0.0, next_beat - time.monotonic())
+                round_ = self.round
+                if joining is None and round_ is not None and self._round_ended < round_:
+                    key = self.keys.of_round(round_ + 1, "open")
+                    if store.wait([key], min(until_beat, WAKE_SLICE)):
+                        self._round_ended = max(self._round_ended, round_)
+                else:
+                    until = until_beat
+                    if progress is not None:
+                        until = min(until, max(0.0, progress[1] - time.monotonic()))
+                    self._wake_heartbeat.wait(until)
+                    self._wake_heartbeat.clear()
         except StoreError as error:
             self._heartbeat_error = error
+
+    def _check_neighbour(self, store: CoordinationStore) -> None:
+        """End the round if the member this node watches stopped beating."""
+        watch = self._watch
+        if watch is None:
+            return
+        round_, node_id, host, size = watch
+        if store.alive(self.keys.heartbeat(node_id), self.settings.heartbeat_timeout):
+            return
+        logger.warning(
+            "node %s (host %s) sent no heartbeat for %.0f s: starting a new round",
+            node_id,
+            host,
+            self.settings.heartbeat_timeout,
+        )
+        self._watch = None
+        self._advance(round_, size - 1, store)
+
+    def _report_progress(self, store: CoordinationStore, deadline: float) -> None:
+        """While this node waits: who has joined, and the time left."""
+        s = self.settings
+        round_ = records.decode_int(self.keys.state(), store.get(self.keys.state()) or b"")
+        joined = store.add(self.keys.of_round(round_, "joined"), 0)
+        logger.info(
+            "rendezvous round %d: %d of %d:%d nodes joined; %.0f s left before join_timeout",
+            round_,
+            joined,
+            s.min_nodes,
+            s.max_nodes,
+            max(0.0, deadline - time.monotonic()),
+        )
+
+
+def _int(value: int) -> bytes:
+    return records.encode_int(value)

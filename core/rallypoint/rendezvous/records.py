@@ -30,17 +30,28 @@ class NodeRecord:
 
 @dataclass(frozen=True)
 class RoundRecord:
-    """A closed round: its members, ordered by group rank, and where rank 0 listens."""
+    """A closed round: its members in group-rank order, and where rank 0 listens.
+
+    Parallel tuples rather than one object per member: every node reads this record, so
+    at a thousand nodes its size and decoding time matter. ``error`` is set instead when
+    the round could not be formed (the rank assigner failed, say), so that every node
+    stops with the leader's reason rather than waiting for a round that never comes.
+    """
 
     round: int
-    members: list[NodeRecord]
+    node_ids: tuple[str, ...]
+    hosts: tuple[str, ...]
+    nprocs: tuple[int, ...]
     master_addr: str
     master_port: int
+    error: str = ""
 
 
 def encode(record: NodeRecord | RoundRecord) -> bytes:
     kind = "node" if isinstance(record, NodeRecord) else "round"
-    return json.dumps({"kind": kind, "version": VERSION, **asdict(record)}).encode()
+    return json.dumps(
+        {"kind": kind, "version": VERSION, **asdict(record)}, separators=(",", ":")
+    ).encode()
 
 
 def _load(key: str, raw: bytes, kind: str) -> dict[str, Any]:
@@ -84,15 +95,31 @@ def decode_node(key: str, raw: bytes) -> NodeRecord:
 def decode_round(key: str, raw: bytes) -> RoundRecord:
     data = _load(key, raw, "round")
     try:
-        members = [_node(key, member) for member in data["members"]]
-        return RoundRecord(
+        node_ids = tuple(data["node_ids"])
+        hosts = tuple(data["hosts"])
+        nprocs = tuple(data["nprocs"])
+        record = RoundRecord(
             round=int(data["round"]),
-            members=members,
+            node_ids=node_ids,
+            hosts=hosts,
+            nprocs=nprocs,
             master_addr=str(data["master_addr"]),
             master_port=int(data["master_port"]),
+            error=str(data.get("error") or ""),
         )
     except (KeyError, TypeError, ValueError) as error:
         raise StoreError(f"rendezvous record {key!r} is malformed: {error!r}") from None
+    well_formed = (
+        len(node_ids) == len(hosts) == len(nprocs)
+        and (record.error or node_ids)
+        and all(type(n) is str for n in node_ids)
+        and all(type(h) is str for h in hosts)
+        and all(type(n) is int and n > 0 for n in nprocs)
+        and 0 <= record.master_port <= 65535
+    )
+    if not well_formed:
+        raise StoreError(f"rendezvous record {key!r} is malformed: inconsistent member lists")
+    return record
 
 
 def encode_int(value: int) -> bytes:

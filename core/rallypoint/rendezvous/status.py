@@ -6,46 +6,55 @@ import time
 from typing import Any
 
 from rallypoint.rendezvous import records
+from rallypoint.rendezvous.protocol import Keys
 from rallypoint.rendezvous.store import CoordinationStore
 
 
-def read_status(store: CoordinationStore, run_id: str, sample_seconds: float) -> dict[str, Any]:
+def read_status(
+    store: CoordinationStore, keys: Keys, run_id: str, heartbeat_timeout: float
+) -> dict[str, Any]:
     """The current round, its members by group rank, nodes waiting for the next round, and
-    whether each member's heartbeat moved during ``sample_seconds``."""
-    prefix = f"/rallypoint/{run_id}/"
-    raw_state = store.get(prefix + "state")
+    whether each member is alive.
+
+    A store that keeps liveness with counters (TCPStore) can only tell by watching them
+    move, so this takes ``heartbeat_timeout / 3`` and a little more on such a store.
+    """
+    raw_state = store.get(keys.state())
     if raw_state is None:
         return {"run_id": run_id, "round": None, "members": [], "waiting": 0}
-    round_ = records.decode_int(prefix + "state", raw_state)
-    closed_key = f"{prefix}{round_}/closed"
+    round_ = records.decode_int(keys.state(), raw_state)
+    closed_key = keys.of_round(round_, "closed")
     raw_closed = store.get(closed_key)
     if raw_closed is None and round_ > 0:
         # The round is forming: show the last one that completed.
-        closed_key = f"{prefix}{round_ - 1}/closed"
+        closed_key = keys.of_round(round_ - 1, "closed")
         raw_closed = store.get(closed_key)
     record = records.decode_round(closed_key, raw_closed) if raw_closed else None
-    members = record.members if record else []
-    before = {m.node_id: store.add(f"{prefix}hb/{m.node_id}", 0) for m in members}
+    members = record.node_ids if record else ()
+    sample = heartbeat_timeout / 3 + 0.5
+    for node_id in members:  # a counter store starts watching here
+        store.alive(keys.heartbeat(node_id), sample)
     if members:
-        time.sleep(sample_seconds)
-    after = {m.node_id: store.add(f"{prefix}hb/{m.node_id}", 0) for m in members}
-    joined_now = store.add(f"{prefix}{round_}/joined", 0)
+        time.sleep(sample)
+    alive = {node_id: store.alive(keys.heartbeat(node_id), sample) for node_id in members}
+    joined_now = store.add(keys.of_round(round_, "joined"), 0)
     return {
         "run_id": run_id,
         "round": round_,
         "forming": raw_closed is None or (record is not None and record.round != round_),
         "completed_round": record.round if record else None,
         "master": f"{record.master_addr}:{record.master_port}" if record else None,
+        "error": record.error if record else "",
         "members": [
             {
                 "group_rank": rank,
-                "node_id": m.node_id,
-                "host": m.host,
-                "nproc": m.nproc,
-                "heartbeats": after[m.node_id],
-                "alive": after[m.node_id] != before[m.node_id],
+                "node_id": node_id,
+                "host": record.hosts[rank],
+                "nproc": record.nprocs[rank],
+                "alive": alive[node_id],
             }
-            for rank, m in enumerate(members)
+            for rank, node_id in enumerate(members)
+            if record is not None
         ],
         "joined_current_round": joined_now,
         "waiting": joined_now

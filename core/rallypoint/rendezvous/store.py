@@ -2,11 +2,14 @@
 
 A backend implements these few operations on its service (torch's TCPStore, etcd, Redis)
 and gets the whole protocol of ``rendezvous.protocol``: membership, ranks, last call,
-late joiners, dead-node detection and the exit barrier.
+late joiners, dead-node detection, outage retries and the exit barrier.
+``rendezvous.memory.MemoryStore`` is the reference implementation, in one process.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -14,11 +17,23 @@ from rallypoint.errors import RallypointError
 
 
 class StoreError(RallypointError):
-    """The store failed or cannot be reached; the message names it and says what to do."""
+    """The store failed, or holds what it should not; the message names it and what to do."""
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot be reached right now (restarting, failing over, network).
+
+    The protocol retries the operation with backoff, for ``retry_timeout`` seconds, and
+    leaves running workers alone meanwhile; any other ``StoreError`` ends the rendezvous.
+    """
 
 
 class CoordinationStore(Protocol):
-    """Atomic operations on a shared key-value store. Keys are ``/``-separated text."""
+    """Atomic operations on a shared key-value store. Keys are ``/``-separated text.
+
+    Raise ``StoreUnavailable`` when the service cannot be reached (the operation will be
+    retried) and ``StoreError`` for anything else; never the client library's own errors.
+    """
 
     def add(self, key: str, amount: int) -> int:
         """Atomically add ``amount`` to the integer at ``key`` (0 if absent); return the sum."""
@@ -28,6 +43,11 @@ class CoordinationStore(Protocol):
         """The value at ``key``, or ``None`` if there is none; never blocks."""
         ...
 
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The values at ``keys``, in order (``None`` where absent), in as few requests as
+        the service allows: the round's leader reads every joiner's record with it."""
+        ...
+
     def set(self, key: str, value: bytes) -> None:
         """Store ``value`` at ``key``."""
         ...
@@ -35,12 +55,22 @@ class CoordinationStore(Protocol):
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bytes:
         """Set ``key`` to ``desired`` if it holds ``expected`` (``None``: if it is absent).
 
-        Returns the value ``key`` holds afterwards: ``desired`` when the swap happened.
+        Returns the value ``key`` holds afterwards: ``desired`` when the swap happened,
+        ``b""`` when ``key`` is absent and ``expected`` was not ``None``.
         """
         ...
 
     def wait(self, keys: Sequence[str], timeout: float) -> bool:
         """Block until every key exists (without polling); ``False`` after ``timeout`` s."""
+        ...
+
+    def keep_alive(self, key: str, ttl: float) -> None:
+        """Say "``key``'s owner is alive" for ``ttl`` more seconds. The owner calls this
+        every ``ttl / 3`` s; a lease (etcd) or a key expiry (Redis) ends it when they stop."""
+        ...
+
+    def alive(self, key: str, ttl: float) -> bool:
+        """Whether ``key``'s owner called ``keep_alive`` within the last ``ttl`` seconds."""
         ...
 
     def clone(self) -> CoordinationStore:
@@ -50,3 +80,37 @@ class CoordinationStore(Protocol):
     def close(self) -> None:
         """Release the connection (and the server, if this process hosts it)."""
         ...
+
+
+class CounterLiveness:
+    """``keep_alive`` and ``alive`` for a store with no expiry of its own (TCPStore).
+
+    The owner bumps a counter; an observer remembers when it last saw the counter move.
+    A counter never seen before, or not read for longer than ``ttl`` (the store was
+    unreachable), starts a new observation instead of counting as dead: only time this
+    observer could see the counter and it stood still counts. Clones share what they saw.
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[int, float, float]] = {}  # value, moved at, read at
+        self._lock = threading.Lock()
+
+    def add(self, key: str, amount: int) -> int:
+        raise NotImplementedError
+
+    def keep_alive(self, key: str, ttl: float) -> None:
+        self.add(key, 1)
+
+    def alive(self, key: str, ttl: float) -> bool:
+        value = self.add(key, 0)
+        now = time.monotonic()
+        with self._lock:
+            seen = self._seen.get(key)
+            if seen is None or seen[0] != value or now - seen[2] > ttl:
+                self._seen[key] = (value, now, now)
+                return True
+            self._seen[key] = (value, seen[1], now)
+            return now - seen[1] <= ttl
+
+    def _share_liveness(self, clone: CounterLiveness) -> None:
+        clone._seen, clone._lock = self._seen, self._lock

@@ -15,7 +15,7 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
-from rallypoint.rendezvous.store import StoreError
+from rallypoint.rendezvous.store import CounterLiveness, StoreError
 
 
 def _is_local(host: str) -> bool:
@@ -31,10 +31,11 @@ def _is_local(host: str) -> bool:
     return host in local or address in local
 
 
-class TCPStoreClient:
-    """``CoordinationStore`` on a torch TCPStore."""
+class TCPStoreClient(CounterLiveness):
+    """``CoordinationStore`` on a torch TCPStore; liveness by heartbeat counters."""
 
     def __init__(self, host: str, port: int, *, is_host: bool | None, timeout: float) -> None:
+        super().__init__()
         # torch's C++ logging would print a warning for every wait that times out (the last
         # call ends that way); quiet it for this process only, not for the workers.
         saved = os.environ.get("TORCH_CPP_LOG_LEVEL")
@@ -84,10 +85,13 @@ class TCPStoreClient:
         try:
             return getattr(self._store, name)(*args)
         except (RuntimeError, self._dist.DistStoreError) as error:
-            raise StoreError(
-                f"the c10d store at {self.host}:{self.port} failed ({error}); the agent hosting "
-                "it may have died, which a c10d job cannot survive (use etcd or redis for that)"
-            ) from None
+            raise self._failed(error) from None
+
+    def _failed(self, error: Exception) -> StoreError:
+        return StoreError(
+            f"the c10d store at {self.host}:{self.port} failed ({error}); the agent hosting "
+            "it may have died, which a c10d job cannot survive (use etcd or redis for that)"
+        )
 
     def add(self, key: str, amount: int) -> int:
         return int(self._call("add", key, amount))
@@ -97,21 +101,29 @@ class TCPStoreClient:
             return None
         return bytes(self._call("get", key))
 
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        if not keys:
+            return []
+        if self._call("check", list(keys)):  # all there: one request for every value
+            return [bytes(value) for value in self._call("multi_get", list(keys))]
+        return [self.get(key) for key in keys]
+
     def set(self, key: str, value: bytes) -> None:
         self._call("set", key, value)
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bytes:
-        return bytes(self._call("compare_set", key, expected or b"", desired))
+        value = bytes(self._call("compare_set", key, expected or b"", desired))
+        if expected is not None and value == expected != desired:
+            return b""  # TCPStore answers `expected` when the key is absent
+        return value
 
     def wait(self, keys: Sequence[str], timeout: float) -> bool:
         try:
             self._store.wait(list(keys), datetime.timedelta(seconds=max(timeout, 0.001)))
-        except self._dist.DistStoreError as error:
-            if "timeout" in str(error).lower():
+        except (RuntimeError, self._dist.DistStoreError) as error:
+            if isinstance(error, self._dist.DistStoreError) and "timeout" in str(error).lower():
                 return False
-            raise StoreError(f"the c10d store at {self.host}:{self.port} failed: {error}") from None
-        except RuntimeError as error:
-            raise StoreError(f"the c10d store at {self.host}:{self.port} failed: {error}") from None
+            raise self._failed(error) from None
         return True
 
     def clone(self) -> TCPStoreClient:
@@ -124,6 +136,7 @@ class TCPStoreClient:
         )
         clone.hosting = False
         clone._store = self._store.clone()
+        self._share_liveness(clone)
         return clone
 
     def close(self) -> None:

@@ -2,9 +2,15 @@
 
 A backend's tests subclass ``StoreConformance`` and provide one fixture, ``connect``: a
 callable that returns a new client of one running store service (a real server, never a
-fake). Every test then runs against that service: the store operations first, then the
-rendezvous protocol on top of them (agreement under concurrent joins, run-id namespacing,
-scale-up, a full job, malformed records).
+fake). Every test then runs against that service: the store operations first (atomicity
+under concurrency, one compare-and-set winner, wake-ups without polling, liveness that
+expires), then the rendezvous protocol on top of them (agreement under concurrent joins,
+run-id namespacing, scale-up, a full job, a dead node detected, malformed records).
+
+A backend whose server the test can stop and start again also provides ``outage``: a
+callable that makes the service unreachable for the given seconds and then brings it back
+(with its data), for the test that operations ride out an outage. Without it that test
+is skipped, with the reason.
 
     import pytest
     from rallypoint.testing.store_conformance import StoreConformance
@@ -13,6 +19,10 @@ scale-up, a full job, malformed records).
         @pytest.fixture
         def connect(self, my_server):
             return lambda: MyStore(my_server.endpoint)
+
+        @pytest.fixture
+        def outage(self, my_server):
+            return my_server.pause  # pause(seconds): SIGSTOP, sleep, SIGCONT
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from rallypoint.rendezvous.protocol import RendezvousTimeout, Settings, StoreRen
 from rallypoint.rendezvous.store import CoordinationStore, StoreError
 
 Connect = Callable[[], CoordinationStore]
+Outage = Callable[[float], None]
 
 _ORDERED = RankAssigner("ordered", "sorted by host and node id", ordered)
 
@@ -131,6 +142,53 @@ class StoreConformance:
         assert not store.wait([prefix + "never"], 0.3)
         assert time.monotonic() - began < 2
 
+    def test_get_many_reads_in_order(self, store: CoordinationStore, prefix: str) -> None:
+        store.set(prefix + "a", b"1")
+        store.set(prefix + "c", b"3")
+        assert store.get_many([prefix + "c", prefix + "b", prefix + "a"]) == [b"3", None, b"1"]
+        assert store.get_many([]) == []
+
+    def test_liveness_lasts_while_kept_and_expires_after(
+        self, connect: Connect, prefix: str
+    ) -> None:
+        owner, observer = connect(), connect()
+        key, ttl = prefix + "hb", 2.0
+        try:
+            owner.keep_alive(key, ttl)
+            began = time.monotonic()
+            while time.monotonic() - began < 2 * ttl:  # kept alive: alive throughout
+                assert observer.alive(key, ttl)
+                owner.keep_alive(key, ttl)
+                time.sleep(ttl / 4)
+            stopped = time.monotonic()
+            while observer.alive(key, ttl):  # no longer kept: dead within a few ttl
+                assert time.monotonic() - stopped < 4 * ttl, "liveness never expired"
+                time.sleep(0.1)
+            assert time.monotonic() - stopped >= ttl / 2, "expired long before the ttl"
+        finally:
+            owner.close()
+            observer.close()
+
+    def test_operations_ride_out_an_outage(
+        self, connect: Connect, prefix: str, request: pytest.FixtureRequest
+    ) -> None:
+        if "outage" not in request.fixturenames:
+            pytest.skip("this backend's tests give no `outage` fixture (its server cannot pause)")
+        outage: Outage = request.getfixturevalue("outage")
+        from rallypoint.rendezvous.protocol import RetryingStore
+
+        store = RetryingStore(connect(), retry_timeout=30)
+        try:
+            store.set(prefix + "before", b"1")
+            threading.Thread(target=outage, args=(2.0,), daemon=True).start()
+            time.sleep(0.5)  # the outage has begun
+            began = time.monotonic()
+            assert store.add(prefix + "counter", 1) == 1  # retried until the store is back
+            assert time.monotonic() - began < 25
+            assert store.get(prefix + "before") == b"1", "the outage lost data"
+        finally:
+            store.close()
+
     def test_clone_is_a_second_connection(self, store: CoordinationStore, prefix: str) -> None:
         clone = store.clone()
         try:
@@ -216,6 +274,24 @@ class StoreConformance:
             assert [m.nodes_waiting() for m in members] == [0, 0]
         finally:
             for node in [*members, extra]:
+                node.close()
+
+    def test_a_dead_node_is_detected_and_the_survivor_reforms(self, connect: Connect) -> None:
+        run_id = uuid.uuid4().hex
+        conf = {"heartbeat_timeout": 2.0, "last_call_timeout": 0.5}
+        nodes = [self._node(connect, run_id, f"n{i}", 1, 2, **conf) for i in range(2)]
+        try:
+            assignments = _in_threads(2, lambda i: nodes[i].next_round())
+            assert all(a.info.group_world_size == 2 for a in assignments), assignments
+            nodes[1]._stop_heartbeats()  # n1 dies: it stops keeping itself alive
+            began = time.monotonic()
+            while nodes[0].nodes_waiting() == 0:
+                assert time.monotonic() - began < 15, "the dead node was never detected"
+                time.sleep(0.1)
+            again = nodes[0].next_round()
+            assert again.info.members == ("n0",)
+        finally:
+            for node in nodes:
                 node.close()
 
     def test_malformed_state_is_a_clear_error(self, connect: Connect) -> None:

@@ -1,0 +1,79 @@
+"""``MemoryStore``: the coordination store of one process.
+
+It runs the rendezvous of a job of one node (``--standalone``, ``--nnodes 1``) through the
+same protocol as every multi-node backend, without torch or a server. It is also the
+shortest complete ``CoordinationStore``, and it passes the conformance suite: read it
+first when writing a backend.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+
+class _Shared:
+    """The data every connection of one ``MemoryStore`` sees."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+        self.expiry: dict[str, float] = {}  # keep_alive deadlines (monotonic)
+        self.changed = threading.Condition()
+
+
+class MemoryStore:
+    """``CoordinationStore`` in this process's memory, safe to share between threads."""
+
+    def __init__(self, shared: _Shared | None = None) -> None:
+        self._shared = shared or _Shared()
+
+    def add(self, key: str, amount: int) -> int:
+        with self._shared.changed:
+            value = int(self._shared.values.get(key, b"0")) + amount
+            self._shared.values[key] = str(value).encode()
+            self._shared.changed.notify_all()
+            return value
+
+    def get(self, key: str) -> bytes | None:
+        with self._shared.changed:
+            return self._shared.values.get(key)
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        with self._shared.changed:
+            return [self._shared.values.get(key) for key in keys]
+
+    def set(self, key: str, value: bytes) -> None:
+        with self._shared.changed:
+            self._shared.values[key] = bytes(value)
+            self._shared.changed.notify_all()
+
+    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bytes:
+        with self._shared.changed:
+            current = self._shared.values.get(key)
+            if current == expected:
+                self._shared.values[key] = current = bytes(desired)
+                self._shared.changed.notify_all()
+            return b"" if current is None else current
+
+    def wait(self, keys: Sequence[str], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._shared.changed:
+            return self._shared.changed.wait_for(
+                lambda: all(key in self._shared.values for key in keys),
+                max(0.0, deadline - time.monotonic()),
+            )
+
+    def keep_alive(self, key: str, ttl: float) -> None:
+        with self._shared.changed:
+            self._shared.expiry[key] = time.monotonic() + ttl
+
+    def alive(self, key: str, ttl: float) -> bool:
+        with self._shared.changed:
+            return self._shared.expiry.get(key, 0.0) >= time.monotonic()
+
+    def clone(self) -> MemoryStore:
+        return MemoryStore(self._shared)
+
+    def close(self) -> None:
+        return None
