@@ -314,10 +314,8 @@ def decode_cost(n: int) -> dict[str, float]:
     """What every node spends decoding an N-member round record (records.decode_round)."""
     from rallypoint.rendezvous import records
 
-    members = [
-        records.NodeRecord(node_id=f"node{i}", host=HOST, nproc=1, port=20000 + i) for i in range(n)
-    ]
-    raw = records.encode(records.RoundRecord(0, members, HOST, 20000))
+    ids = tuple(f"node{i}" for i in range(n))
+    raw = records.encode(records.RoundRecord(0, ids, (HOST,) * n, (1,) * n, HOST, 20000))
     times = []
     for _ in range(7):
         began = time.perf_counter()

@@ -46,13 +46,20 @@ def register_rendezvous_backends() -> Iterable[RendezvousBackend]:
     """Declare rendezvous backends, the values ``--rdzv-backend`` accepts.
 
     Returns:
-        The backends this plugin provides. A name another plugin also registers is an error
-        that names both distributions.
+        The backends this plugin provides. Each gives ``connect(request)``, a client of its
+        coordination store (rallypoint runs its rendezvous protocol on it), or
+        ``create_handler(request)``, a whole rendezvous of its own. A name another plugin
+        also registers is an error that names both distributions.
 
     Example::
 
         from rallypoint import hookimpl
         from rallypoint.extensions import COMMON_RENDEZVOUS_OPTIONS, ConfigOption, RendezvousBackend
+
+        def connect(request):
+            from consul_rendezvous.store import ConsulStore  # a CoordinationStore
+
+            return ConsulStore(request.endpoint, token=request.options["token"])
 
         @hookimpl
         def register_rendezvous_backends():
@@ -61,6 +68,7 @@ def register_rendezvous_backends() -> Iterable[RendezvousBackend]:
                     name="consul",
                     description="Consul KV sessions",
                     options=(*COMMON_RENDEZVOUS_OPTIONS, ConfigOption("token", str, "", secret=True)),
+                    connect=connect,
                 )
             ]
     """

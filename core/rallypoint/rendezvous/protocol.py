@@ -214,11 +214,9 @@ class StoreRendezvous:
     # --- state ----------------------------------------------------------------------------
 
     def _state(self) -> int:
+        """The job's round; the first node of a new job creates it (one request either way)."""
         key = self.keys.state()
-        raw = self.store.get(key)
-        if raw is None:
-            raw = self.store.compare_set(key, None, records.encode_int(0))
-        return records.decode_int(key, raw)
+        return records.decode_int(key, self.store.compare_set(key, None, _int(0)))
 
     def _advance(
         self, from_round: int, expected: int, store: CoordinationStore | None = None
