@@ -58,10 +58,12 @@ demo: install
 		examples/train.py --steps 60 --crash-at 25
 	@echo "demo done: worker logs, the checkpoint and the event log are under $(DEMO_DIR)/"
 
-# Side-by-side measurements against torchrun; writes benchmarks/results/ and docs/benchmarks.md.
+# Side-by-side measurements against torchrun; write benchmarks/results/ and docs/benchmarks*.md.
 bench: install
 	$(PIP) install -q -e '.[bench]'
 	$(PY) benchmarks/bench_launcher.py
+	$(PY) benchmarks/bench_rendezvous.py
+	$(PY) benchmarks/bench_recovery.py
 
 clean:
 	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache $(DEMO_DIR)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,9 @@ from typing import Any
 import pytest
 
 from launch import RALLYPOINT, clean_environment, worker
+from rallypoint.rendezvous.memory import MemoryStore
+from rallypoint.rendezvous.protocol import RetryingStore
+from rallypoint.rendezvous.store import StoreError, StoreUnavailable
 from servers import free_port
 
 pytestmark = pytest.mark.usefixtures("agent_tmpdir")
@@ -288,3 +292,44 @@ def test_a_malformed_record_in_the_store_is_a_clear_error(tmp_path: Path) -> Non
     assert text.strip().splitlines()[-1].startswith("rallypoint: error: ")
     assert "'/rallypoint/job/state' is not JSON" in text
     assert "Traceback" not in text
+
+
+# --- store outages -------------------------------------------------------------------------
+
+
+class FlakyStore(MemoryStore):
+    """A real in-memory store that refuses every operation while ``down`` is set."""
+
+    down = threading.Event()
+
+    def add(self, key: str, amount: int) -> int:
+        if self.down.is_set():
+            raise StoreUnavailable("the store is restarting")
+        return super().add(key, amount)
+
+
+def test_an_outage_shorter_than_retry_timeout_is_ridden_out(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = RetryingStore(FlakyStore(), retry_timeout=10)
+    FlakyStore.down.set()
+    threading.Timer(1.0, FlakyStore.down.clear).start()
+    began = time.monotonic()
+    with caplog.at_level("INFO", logger="rallypoint.rendezvous"):
+        assert store.add("/k", 1) == 1
+    took = time.monotonic() - began
+    assert 0.9 < took < 5, took
+    assert "rendezvous store unreachable (the store is restarting); retrying" in caplog.text
+    assert "rendezvous store reachable again after" in caplog.text
+
+
+def test_an_outage_longer_than_retry_timeout_is_a_clear_error() -> None:
+    store = RetryingStore(FlakyStore(), retry_timeout=1)
+    FlakyStore.down.set()
+    try:
+        began = time.monotonic()
+        with pytest.raises(StoreError, match=r"still unreachable after retry_timeout=1 s"):
+            store.add("/k", 1)
+        assert time.monotonic() - began < 3
+    finally:
+        FlakyStore.down.clear()

@@ -61,6 +61,10 @@ class RendezvousFailed(RallypointError):
     """The round's leader could not form it; the message is its reason."""
 
 
+class _LeaderLost(Exception):
+    """The leader of the round being formed died before closing it; the round was ended."""
+
+
 @dataclass(frozen=True)
 class Settings:
     """The protocol's ``--rdzv-conf`` values and the job's size."""
@@ -243,7 +247,11 @@ class StoreRendezvous:
         round_ = max(self._state(), (self.round + 1) if self.round is not None else 0)
         try:
             while True:
-                record = self._join(round_, deadline)
+                try:
+                    record = self._join(round_, deadline)
+                except _LeaderLost:
+                    round_ += 1
+                    continue
                 if record is not None:
                     return self._assignment(record)
                 # Too late for this round: ask for a new one if there is room, else wait.
@@ -307,16 +315,42 @@ class StoreRendezvous:
         self.store.set(self.keys.of_round(round_, "node", index), records.encode(mine))
         if index == 1:
             self._lead(round_, deadline)
-        closed_key = self.keys.of_round(round_, "closed")
-        if not self.store.wait([closed_key], max(0.0, deadline - time.monotonic())):
-            raise RendezvousTimeout(
-                f"rendezvous round {round_}: fewer than {self.settings.min_nodes} nodes joined "
-                f"within join_timeout={self.settings.join_timeout:g} s"
-            )
+        self._wait_closed(round_, deadline, leader_is_me=index == 1)
         record = self._closed(round_)
         if self.node.node_id in record.node_ids:
             return record
         return None
+
+    def _wait_closed(self, round_: int, deadline: float, leader_is_me: bool) -> None:
+        """Wait for the leader to close ``round_``; if the leader dies first (it stopped
+        keeping itself alive), end the round so that the others form the next one."""
+        s = self.settings
+        closed_key = self.keys.of_round(round_, "closed")
+        leader: str | None = None
+        while not self.store.wait(
+            [closed_key], min(s.heartbeat_timeout / 3, max(0.0, deadline - time.monotonic()))
+        ):
+            if time.monotonic() >= deadline:
+                raise RendezvousTimeout(
+                    f"rendezvous round {round_}: fewer than {s.min_nodes} nodes joined "
+                    f"within join_timeout={s.join_timeout:g} s"
+                )
+            if leader_is_me:
+                continue
+            if leader is None:
+                key = self.keys.of_round(round_, "node", 1)
+                raw = self.store.get(key)
+                leader = records.decode_node(key, raw).node_id if raw else None
+            if leader and not self.store.alive(self.keys.heartbeat(leader), s.heartbeat_timeout):
+                logger.warning(
+                    "node %s, leading rendezvous round %d, died before closing it: "
+                    "starting round %d",
+                    leader,
+                    round_,
+                    round_ + 1,
+                )
+                self._advance(round_, 0)
+                raise _LeaderLost()
 
     def _reserve_port(self) -> PortReservation:
         """This round's master port, held until the next round: a free one, taken while the
@@ -363,7 +397,9 @@ class StoreRendezvous:
                 f"rendezvous round {round_}: fewer than {s.min_nodes} nodes joined within "
                 f"join_timeout={s.join_timeout:g} s"
             )
-        previous = self._closed(round_ - 1) if round_ > 0 else None
+        # No record of the previous round: its leader died before closing it (or this is
+        # the first round): form this one as a new job.
+        previous = self._previous(round_)
         if previous is None:
             # A new job: last call for more nodes, closing at once when MAX are in.
             self.store.wait([keys.of_round(round_, "node", s.max_nodes)], s.last_call_timeout)
@@ -378,6 +414,14 @@ class StoreRendezvous:
             self.store.set(keys.of_round(round_, "closed"), records.encode(failed))
             raise
         self.store.set(keys.of_round(round_, "closed"), records.encode(record))
+
+    def _previous(self, round_: int) -> records.RoundRecord | None:
+        if round_ == 0:
+            return None
+        key = self.keys.of_round(round_ - 1, "closed")
+        raw = self.store.get(key)
+        record = records.decode_round(key, raw) if raw else None
+        return record if record and not record.error else None
 
     def _form(self, round_: int, nodes: list[records.NodeRecord]) -> records.RoundRecord:
         """Order the joiners by the rank assigner's ranks."""

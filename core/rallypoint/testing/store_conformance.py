@@ -294,6 +294,35 @@ class StoreConformance:
             for node in nodes:
                 node.close()
 
+    def test_a_leader_that_died_before_closing_does_not_block_the_round(
+        self, connect: Connect
+    ) -> None:
+        from rallypoint.rendezvous import records
+        from rallypoint.rendezvous.protocol import Keys
+
+        run_id = uuid.uuid4().hex
+        keys = Keys("/rallypoint", run_id)
+        ghost = connect()  # a node that took join number 1, wrote its record and died
+        try:
+            ghost.compare_set(keys.state(), None, records.encode_int(0))
+            assert ghost.add(keys.of_round(0, "joined"), 1) == 1
+            record = records.NodeRecord("ghost", "127.0.0.1", 2, 1)
+            ghost.set(keys.of_round(0, "node", 1), records.encode(record))
+        finally:
+            ghost.close()
+        conf = {"heartbeat_timeout": 1.5, "last_call_timeout": 0.5, "join_timeout": 30.0}
+        nodes = [self._node(connect, run_id, f"n{i}", 2, 3, **conf) for i in range(2)]
+        try:
+            began = time.monotonic()
+            assignments = _in_threads(2, lambda i: nodes[i].next_round())
+            took = time.monotonic() - began
+        finally:
+            for node in nodes:
+                node.close()
+        assert all(isinstance(a, Assignment) for a in assignments), assignments
+        assert {a.info.members for a in assignments} == {("n0", "n1")}
+        assert took < 15, f"the dead leader held the round up for {took:.1f} s"
+
     def test_malformed_state_is_a_clear_error(self, connect: Connect) -> None:
         run_id = uuid.uuid4().hex
         writer = connect()
