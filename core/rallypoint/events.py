@@ -22,6 +22,10 @@ WORKER_FAILED = "worker_failed"
 WORKERS_RESTARTED = "workers_restarted"
 SCALE_CHANGED = "scale_changed"
 AGENT_STOPPING = "agent_stopping"
+#: Sent by workers (``rallypoint.checkpoint``) through their agent: ``step``, ``seconds``,
+#: ``bytes``, ``rank``; saves add ``blocked_seconds`` and ``asynchronous``, loads ``skipped``.
+CHECKPOINT_SAVED = "checkpoint_saved"
+CHECKPOINT_LOADED = "checkpoint_loaded"
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from rallypoint.events import Event, RunInfo, WorkerFailure
 
 if TYPE_CHECKING:
+    from rallypoint.checkpoint.storage import CheckpointStorage
     from rallypoint.rendezvous.handler import RendezvousHandler
     from rallypoint.rendezvous.store import CoordinationStore
 
@@ -287,11 +288,15 @@ class CheckpointStore:
         name: a short name shown by ``rallypoint plugins``.
         description: one line for humans.
         schemes: the URL schemes it serves; ``""`` means a plain path.
+        open: ``(url) -> CheckpointStorage`` (``rallypoint.checkpoint.storage``): the
+            storage at ``url``, on which rallypoint writes, verifies, rotates and loads
+            checkpoints. Called in the workers.
     """
 
     name: str
     description: str
     schemes: tuple[str, ...] = ()
+    open: Callable[[str], CheckpointStorage] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", normalise_name(self.name))

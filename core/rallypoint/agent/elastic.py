@@ -40,6 +40,7 @@ from rallypoint.plugins import PluginManager
 from rallypoint.registry import METRICS_SINKS, RESTART_POLICIES
 from rallypoint.rendezvous.handler import Assignment, RendezvousHandler
 from rallypoint.rendezvous.handlers import create_handler
+from rallypoint.worker_channel import Receiver
 
 logger = logging.getLogger("rallypoint.agent")
 
@@ -75,6 +76,8 @@ class Agent:
         )
         self.run_dir, self._temporary_run_dir = _run_directory(config)
         self.bus = EventBus(self.run, pm, self._create_sinks(), config.event_log)
+        # Workers report checkpoint saves and loads here; they reach the bus like ours.
+        self._worker_events = Receiver(lambda name, data: self.bus.emit(name, **data))
         self.signalled: signal.Signals | None = None
         self._wake_read, self._wake_write = socket.socketpair()
         self._wake_read.setblocking(False)
@@ -100,6 +103,7 @@ class Agent:
         finally:
             self.bus.emit(events.AGENT_STOPPING, exit_code=exit_code, reason=reason)
             self.handler.close()
+            self._worker_events.close()
             self.bus.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -224,6 +228,7 @@ class Agent:
                 run_id=config.rdzv_id,
                 node_id=self.node_id,
                 restart_count=restarts,
+                events_socket=self._worker_events.address,
             )
             for spec in specs
         ]

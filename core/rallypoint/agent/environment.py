@@ -33,6 +33,7 @@ def worker_environment(
     run_id: str,
     node_id: str,
     restart_count: int,
+    events_socket: str | None = None,
     base: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The full environment of ``worker`` for this round and attempt."""
@@ -68,6 +69,8 @@ def worker_environment(
         env["OMP_NUM_THREADS"] = "1"
     if config.checkpoint_dir:
         env["RALLYPOINT_CHECKPOINT_URL"] = config.checkpoint_dir
+    if events_socket:
+        env["RALLYPOINT_EVENTS_SOCKET"] = events_socket  # see rallypoint.worker_channel
     return env
 
 

@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 from rallypoint import hookimpl
+from rallypoint.checkpoint.storage import CheckpointStorage
 from rallypoint.extensions import CheckpointStore
+
+
+def open_file_storage(url: str) -> CheckpointStorage:
+    from rallypoint.checkpoint.storage import FileStorage
+
+    return FileStorage(url)
 
 
 @hookimpl
 def register_checkpoint_stores() -> list[CheckpointStore]:
     return [
         CheckpointStore(
-            "file", "a directory on a local or shared file system", schemes=("file", "")
+            "file",
+            "a directory on a local or shared file system",
+            schemes=("file", ""),
+            open=open_file_storage,
         )
     ]

@@ -1,0 +1,335 @@
+"""Saving and loading checkpoints in a worker: atomic, verified, rotated, optionally in the
+background, whichever storage ``--checkpoint-dir`` names."""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rallypoint import worker_channel
+from rallypoint.checkpoint import manifest as mf
+from rallypoint.checkpoint.storage import CheckpointError, CheckpointStorage, FileStorage
+
+logger = logging.getLogger("rallypoint.checkpoint")
+
+#: The variable the agent sets from ``--checkpoint-dir``.
+URL_ENV = "RALLYPOINT_CHECKPOINT_URL"
+STATE_FILE = "state.pt"
+SHARDS = "shards"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A loaded checkpoint.
+
+    Attributes:
+        step: the step it was saved at.
+        world_size: the world size of the job that saved it.
+        state: what was saved (``None`` for a sharded checkpoint, loaded in place).
+        skipped: the newer checkpoints that were damaged or unfinished, with the reason.
+    """
+
+    step: int
+    world_size: int
+    state: Any = None
+    skipped: tuple[str, ...] = field(default_factory=tuple)
+
+
+def open_storage(url: str) -> CheckpointStorage:
+    """The storage of the checkpoint store that serves ``url``'s scheme."""
+    from rallypoint.plugins import get_plugin_manager
+
+    store = get_plugin_manager().registry.checkpoint_store_for(url)
+    if store.open is None:
+        raise CheckpointError(f"checkpoint store {store.name!r} cannot open {url!r}")
+    return store.open(url)
+
+
+class Checkpointer:
+    """Checkpoints of one job in one storage.
+
+    ``save`` writes from rank 0 only (replicated state, as with DDP); every rank can
+    ``load_latest``. A save is atomic: payload first, manifest last, each through the
+    storage's atomic write; the ``keep_last`` newest checkpoints are kept.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        keep_last: int = 3,
+        storage: CheckpointStorage | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        url = url or os.environ.get(URL_ENV)
+        if storage is None:
+            if not url:
+                raise CheckpointError(
+                    "no checkpoint location: run under `rallypoint run --checkpoint-dir DIR` "
+                    f"or pass a URL (the agent sets {URL_ENV})"
+                )
+            storage = open_storage(url)
+        if keep_last < 1:
+            raise CheckpointError(f"keep_last={keep_last}: keep at least one checkpoint")
+        self.storage = storage
+        self.keep_last = keep_last
+        self.rank = _env_int("RANK", 0) if rank is None else rank
+        self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
+        self._pending: threading.Thread | None = None
+        self._pending_error: BaseException | None = None
+
+    # --- saving ---------------------------------------------------------------------------
+
+    def save(self, state: Any, step: int, *, asynchronous: bool = False) -> None:
+        """Save ``state`` (anything ``torch.save`` takes) as the checkpoint of ``step``.
+
+        Only rank 0 writes; on other ranks this returns at once. With ``asynchronous``,
+        the tensors are copied to CPU memory now and written by a background thread, so
+        training goes on while the file is written; a crash during that write leaves the
+        previous checkpoint as the newest. One save runs at a time: a save waits for the
+        previous one to finish.
+        """
+        if self.rank != 0:
+            return
+        self.wait()
+        began = time.perf_counter()
+        if not asynchronous:
+            self._write(state, step, began, blocked=None)
+            return
+        snapshot = snapshot_to_cpu(state)
+        blocked = time.perf_counter() - began
+        self._pending = threading.Thread(
+            target=self._write_in_background,
+            args=(snapshot, step, began, blocked),
+            name=f"rallypoint-checkpoint-{step}",
+        )  # not a daemon: a worker that returns normally finishes its last save first
+        self._pending.start()
+
+    def wait(self) -> None:
+        """Wait for a background save to finish; raise its error if it failed."""
+        if self._pending is not None:
+            self._pending.join()
+            self._pending = None
+        error, self._pending_error = self._pending_error, None
+        if error is not None:
+            raise CheckpointError(f"the background checkpoint save failed: {error}") from error
+
+    def _write_in_background(self, state: Any, step: int, began: float, blocked: float) -> None:
+        try:
+            self._write(state, step, began, blocked)
+        except BaseException as error:
+            logger.error("checkpoint of step %d failed: %s", step, error)
+            self._pending_error = error
+
+    def _write(self, state: Any, step: int, began: float, blocked: float | None) -> None:
+        import torch
+
+        name = mf.directory(step)
+        with self.storage.writer(f"{name}/{STATE_FILE}") as handle:
+            writer = mf.HashingWriter(handle)
+            torch.save(state, writer)  # type: ignore[arg-type]
+        files = {STATE_FILE: writer.entry}
+        self._commit(step, "torch", files)
+        seconds = time.perf_counter() - began
+        worker_channel.send(
+            "checkpoint_saved",
+            step=step,
+            seconds=seconds,
+            bytes=writer.size,
+            blocked_seconds=seconds if blocked is None else blocked,
+            asynchronous=blocked is not None,
+        )
+
+    def _commit(self, step: int, format_: str, files: Mapping[str, mf.FileEntry]) -> None:
+        manifest = mf.Manifest(step, self.world_size, time.time(), format_, dict(files))
+        with self.storage.writer(f"{mf.directory(step)}/{mf.MANIFEST}") as handle:
+            handle.write(manifest.encode())
+        self._rotate(step)
+
+    def _rotate(self, newest: int) -> None:
+        """Keep the ``keep_last`` newest complete checkpoints; remove the rest, and
+        anything unfinished (only rank 0 writes, and only one save at a time)."""
+        complete = sorted(self._complete_steps(), reverse=True)
+        keep = set(complete[: self.keep_last]) | {newest}
+        for step in self._all_steps():
+            if step not in keep:
+                self.storage.delete(mf.directory(step))
+
+    # --- sharded state (torch.distributed.checkpoint) -------------------------------------
+
+    def save_sharded(self, state: dict[str, Any], step: int) -> None:
+        """Save state sharded across ranks with ``torch.distributed.checkpoint``; every
+        rank calls it. Needs a file system storage (a path shared by every node)."""
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+        began = time.perf_counter()
+        path = self._local_path(f"{mf.directory(step)}/{SHARDS}")
+        dcp_save(state, checkpoint_id=path)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # every shard is written before the manifest
+        if self.rank != 0:
+            return
+        files = {}
+        for name in self.storage.names():
+            prefix = f"{mf.directory(step)}/{SHARDS}/"
+            if name.startswith(prefix):
+                with self.storage.reader(name) as handle:
+                    files[name.removeprefix(f"{mf.directory(step)}/")] = _entry(handle.read())
+        self._commit(step, "dcp", files)
+        total = sum(entry.size for entry in files.values())
+        seconds = time.perf_counter() - began
+        worker_channel.send(
+            "checkpoint_saved",
+            step=step,
+            seconds=seconds,
+            bytes=total,
+            blocked_seconds=seconds,
+            asynchronous=False,
+        )
+
+    def load_sharded(self, state: dict[str, Any]) -> Checkpoint | None:
+        """Load the newest valid sharded checkpoint into ``state`` in place (every rank)."""
+        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+        def load(name: str, manifest: mf.Manifest) -> None:
+            self._verify_files(name, manifest)
+            dcp_load(state, checkpoint_id=self._local_path(f"{name}/{SHARDS}"))
+
+        return self._load_newest("dcp", load)
+
+    def _local_path(self, name: str) -> str:
+        if not isinstance(self.storage, FileStorage):
+            raise CheckpointError(
+                f"sharded checkpoints need a file system path, not {self.storage.url!r}"
+            )
+        return str(self.storage.path(name))
+
+    # --- loading --------------------------------------------------------------------------
+
+    def load_latest(
+        self, *, map_location: Any = "cpu", weights_only: bool = True
+    ) -> Checkpoint | None:
+        """The newest checkpoint that is complete and intact, or ``None`` if there is none.
+
+        A newer one that is unfinished, truncated or fails its checksum is skipped with a
+        warning naming it and the reason, and the one before it is loaded.
+        """
+        import torch
+
+        loaded: list[Any] = []
+
+        def load(name: str, manifest: mf.Manifest) -> None:
+            entry = manifest.files.get(STATE_FILE)
+            if entry is None:
+                raise mf.Damaged(f"the manifest lists no {STATE_FILE}")
+            data = self._read(f"{name}/{STATE_FILE}")
+            mf.verify(STATE_FILE, data, entry)
+            loaded.append(
+                torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
+            )
+
+        checkpoint = self._load_newest("torch", load)
+        if checkpoint is None:
+            return None
+        return Checkpoint(checkpoint.step, checkpoint.world_size, loaded[0], checkpoint.skipped)
+
+    def steps(self) -> list[int]:
+        """The steps of the complete checkpoints (manifest written), oldest first."""
+        return sorted(self._complete_steps())
+
+    def _load_newest(self, format_: str, load: Any) -> Checkpoint | None:
+        began = time.perf_counter()
+        skipped: list[str] = []
+        for step in sorted(self._all_steps(), reverse=True):
+            name = mf.directory(step)
+            try:
+                manifest = self._manifest(name)
+                if manifest.format != format_:
+                    raise mf.Damaged(f"it is a {manifest.format} checkpoint, not {format_}")
+                load(name, manifest)
+            except mf.Damaged as reason:
+                skipped.append(f"{name}: {reason}")
+                logger.warning("checkpoint %s skipped: %s", name, reason)
+                continue
+            if skipped:
+                logger.warning("loaded checkpoint %s instead", name)
+            size = sum(entry.size for entry in manifest.files.values())
+            worker_channel.send(
+                "checkpoint_loaded",
+                step=step,
+                seconds=time.perf_counter() - began,
+                bytes=size,
+                skipped=len(skipped),
+            )
+            return Checkpoint(step, manifest.world_size, None, tuple(skipped))
+        return None
+
+    def _manifest(self, name: str) -> mf.Manifest:
+        try:
+            raw = self._read(f"{name}/{mf.MANIFEST}")
+        except mf.Damaged:
+            raise mf.Damaged("unfinished (no manifest)") from None
+        return mf.Manifest.decode(raw)
+
+    def _verify_files(self, name: str, manifest: mf.Manifest) -> None:
+        for file_name, entry in manifest.files.items():
+            mf.verify(file_name, self._read(f"{name}/{file_name}"), entry)
+
+    def _read(self, name: str) -> bytes:
+        try:
+            with self.storage.reader(name) as handle:
+                return handle.read()
+        except FileNotFoundError:
+            raise mf.Damaged(f"{name.rsplit('/', 1)[-1]} is missing") from None
+        except OSError as error:
+            raise mf.Damaged(f"{name} cannot be read ({error})") from None
+
+    def _all_steps(self) -> set[int]:
+        steps = (mf.step_of(name.split("/", 1)[0]) for name in self.storage.names())
+        return {step for step in steps if step is not None}
+
+    def _complete_steps(self) -> set[int]:
+        names = set(self.storage.names())
+        return {s for s in self._all_steps() if f"{mf.directory(s)}/{mf.MANIFEST}" in names}
+
+
+def snapshot_to_cpu(state: Any) -> Any:
+    """A copy of ``state`` whose tensors live in CPU memory, independent of the original:
+    training may change the originals while the copy is written."""
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, Mapping):
+        result: dict[Any, Any] = OrderedDict() if isinstance(state, OrderedDict) else {}
+        result.update((k, snapshot_to_cpu(v)) for k, v in state.items())
+        if hasattr(state, "_metadata"):  # a module's state_dict keeps its versions here
+            result._metadata = copy.deepcopy(state._metadata)  # type: ignore[attr-defined]
+        return result
+    if isinstance(state, list):
+        return [snapshot_to_cpu(v) for v in state]
+    if isinstance(state, tuple):
+        items = [snapshot_to_cpu(v) for v in state]
+        return type(state)(*items) if hasattr(state, "_fields") else tuple(items)
+    return copy.deepcopy(state)
+
+
+def _entry(data: bytes) -> mf.FileEntry:
+    import hashlib
+
+    return mf.FileEntry(len(data), hashlib.sha256(data).hexdigest())
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() else default

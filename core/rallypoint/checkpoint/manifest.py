@@ -1,0 +1,110 @@
+"""A checkpoint's manifest: what a complete checkpoint holds, written last.
+
+A checkpoint is a directory-like prefix ``step-<step>/`` in the storage with its payload
+files and ``manifest.json``. The manifest is written only after every payload file is
+complete, so a checkpoint without one was never finished; a payload file whose size or
+SHA-256 differs from the manifest's was damaged afterwards. Either way it is skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+KIND = "rallypoint-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+_DIRECTORY = re.compile(r"^step-(\d+)$")
+
+
+def directory(step: int) -> str:
+    return f"step-{step:012d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step of a checkpoint directory name, ``None`` for anything else."""
+    match = _DIRECTORY.match(name)
+    return int(match.group(1)) if match else None
+
+
+class Damaged(Exception):
+    """A checkpoint that cannot be used; the message says why (for the warning)."""
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: int
+    world_size: int
+    created: float
+    format: str  # "torch": one torch.save file; "dcp": torch.distributed.checkpoint files
+    files: dict[str, FileEntry] = field(default_factory=dict)
+
+    def encode(self) -> bytes:
+        data: dict[str, Any] = {
+            "kind": KIND,
+            "version": VERSION,
+            "step": self.step,
+            "world_size": self.world_size,
+            "created": self.created,
+            "format": self.format,
+            "files": {n: {"size": f.size, "sha256": f.sha256} for n, f in self.files.items()},
+        }
+        return json.dumps(data, indent=2, sort_keys=True).encode() + b"\n"
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Manifest:
+        try:
+            data = json.loads(raw.decode("utf-8"))
+            if data.get("kind") != KIND or data.get("version") != VERSION:
+                raise Damaged(f"not a version {VERSION} rallypoint manifest")
+            return cls(
+                step=int(data["step"]),
+                world_size=int(data["world_size"]),
+                created=float(data["created"]),
+                format=str(data["format"]),
+                files={
+                    str(name): FileEntry(int(entry["size"]), str(entry["sha256"]))
+                    for name, entry in dict(data["files"]).items()
+                },
+            )
+        except Damaged:
+            raise
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as error:
+            raise Damaged(f"unreadable manifest ({error})") from None
+
+
+class HashingWriter:
+    """A write-only file that counts and hashes what passes through it."""
+
+    def __init__(self, target: BinaryIO) -> None:
+        self.target = target
+        self.size = 0
+        self._sha = hashlib.sha256()
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        self._sha.update(data)
+        self.size += len(data)
+        return self.target.write(data)
+
+    def flush(self) -> None:
+        self.target.flush()
+
+    @property
+    def entry(self) -> FileEntry:
+        return FileEntry(self.size, self._sha.hexdigest())
+
+
+def verify(name: str, data: bytes, expected: FileEntry) -> None:
+    if len(data) != expected.size:
+        raise Damaged(f"{name} has {len(data)} bytes, the manifest says {expected.size}")
+    if hashlib.sha256(data).hexdigest() != expected.sha256:
+        raise Damaged(f"{name} does not match its checksum")

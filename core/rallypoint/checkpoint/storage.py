@@ -1,0 +1,124 @@
+"""Where checkpoints are kept: the ``CheckpointStorage`` interface and its file system
+implementation.
+
+A storage holds named objects (``/``-separated names) and knows four operations; the
+checkpoint format (manifest, checksums, rotation, choosing the newest valid one) is built
+once on top of them in ``rallypoint.checkpoint.checkpointer``. A plugin registers another
+storage (object storage, say) with ``register_checkpoint_stores``; see
+docs/checkpointing.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO, Protocol
+from urllib.parse import unquote, urlparse
+
+from rallypoint.errors import RallypointError
+
+
+class CheckpointError(RallypointError):
+    """A checkpoint could not be written or read; the message says which and why."""
+
+
+class CheckpointStorage(Protocol):
+    """Named objects under one root (a directory, a bucket prefix)."""
+
+    url: str
+
+    def writer(self, name: str) -> contextlib.AbstractContextManager[BinaryIO]:
+        """A binary file to write ``name`` into. The object appears, whole, only when the
+        block ends without an exception; before that, and after a crash, readers see the
+        previous state (no object, or the old one)."""
+        ...
+
+    def reader(self, name: str) -> contextlib.AbstractContextManager[BinaryIO]:
+        """``name`` opened for reading; ``FileNotFoundError`` when there is none."""
+        ...
+
+    def names(self) -> list[str]:
+        """Every complete object, by name (never one still being written)."""
+        ...
+
+    def delete(self, name: str) -> None:
+        """Remove ``name`` and everything under ``name/``; nothing to remove is fine."""
+        ...
+
+
+_TEMPORARY = ".tmp-"
+
+
+class FileStorage:
+    """A directory on a local or shared file system (``file://`` URLs and plain paths).
+
+    A write goes to a temporary file beside the target, is flushed and fsynced, renamed
+    over the target and the directory fsynced: after a crash at any moment, the target
+    is either absent, the old object, or the whole new one.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        parsed = urlparse(url)
+        path = unquote(parsed.path) if parsed.scheme == "file" else url
+        self.root = Path(path).expanduser()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise CheckpointError(
+                f"checkpoint directory {self.root}: cannot create it ({error.strerror})"
+            ) from None
+
+    def path(self, name: str) -> Path:
+        return self.root / name
+
+    @contextlib.contextmanager
+    def writer(self, name: str) -> Iterator[BinaryIO]:
+        target = self.path(name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        temporary = target.with_name(f"{_TEMPORARY}{target.name}-{uuid.uuid4().hex[:8]}")
+        try:
+            with open(temporary, "wb") as handle:
+                yield handle
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temporary, target)
+            _fsync_directory(target.parent)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+
+    @contextlib.contextmanager
+    def reader(self, name: str) -> Iterator[BinaryIO]:
+        with open(self.path(name), "rb") as handle:
+            yield handle
+
+    def names(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(
+            path.relative_to(self.root).as_posix()
+            for path in self.root.rglob("*")
+            if path.is_file() and not path.name.startswith(_TEMPORARY)
+        )
+
+    def delete(self, name: str) -> None:
+        path = self.path(name)
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            _fsync_directory(path.parent)
+
+
+def _fsync_directory(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)

@@ -1,0 +1,84 @@
+"""Events from workers to their agent: checkpoint saves and loads, for the metrics sinks.
+
+The agent listens on a Unix datagram socket in the abstract namespace (nothing on disk)
+and names it in ``RALLYPOINT_EVENTS_SOCKET``; a worker sends one JSON object per event.
+Sending never blocks and never fails the worker: without an agent, events are dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from rallypoint import events
+
+ENV = "RALLYPOINT_EVENTS_SOCKET"
+#: The events a worker may send; anything else is ignored by the agent.
+WORKER_EVENTS = frozenset({events.CHECKPOINT_SAVED, events.CHECKPOINT_LOADED})
+_MAX = 65536
+
+logger = logging.getLogger(__name__)
+
+
+def send(name: str, **data: Any) -> None:
+    """Tell this worker's agent that ``name`` happened (no-op outside ``rallypoint run``)."""
+    address = os.environ.get(ENV)
+    if not address:
+        return
+    payload = {"event": name, "rank": _int_env("RANK"), "local_rank": _int_env("LOCAL_RANK")}
+    message = json.dumps({**payload, **data}, default=str).encode()
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.setblocking(False)
+        sock.sendto(message, "\0" + address)
+
+
+def _int_env(name: str) -> int | None:
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() else None
+
+
+class Receiver:
+    """The agent's end: hands every valid worker event to ``deliver(name, data)``."""
+
+    def __init__(self, deliver: Callable[[str, dict[str, Any]], object]) -> None:
+        self.address = f"rallypoint-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._deliver = deliver
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._socket.bind("\0" + self.address)
+        self._thread = threading.Thread(target=self._receive, daemon=True)
+        self._thread.start()
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                message = self._socket.recv(_MAX)
+            except OSError:
+                return  # closed
+            if not message:
+                return
+            try:
+                data = json.loads(message)
+                name = data.pop("event")
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue
+            if name in WORKER_EVENTS:
+                try:
+                    self._deliver(name, data)
+                except Exception:  # a sink's problem must not end the receiver
+                    logger.exception("delivering worker event %s failed", name)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._socket.shutdown(socket.SHUT_RDWR)
+        # recv on a datagram socket is not woken by shutdown everywhere: send an empty one.
+        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendto(b"", "\0" + self.address)
+        self._thread.join(2)
+        self._socket.close()
