@@ -125,6 +125,7 @@ def test_no_location_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_process_killed_during_an_asynchronous_save_leaves_the_previous(
     tmp_path: Path,
 ) -> None:
+    root = tmp_path / "checkpoints"
     script = textwrap.dedent(
         f"""
         import os, signal, time
@@ -132,7 +133,7 @@ def test_a_process_killed_during_an_asynchronous_save_leaves_the_previous(
         import torch
         from rallypoint.checkpoint import Checkpointer
 
-        root = Path({str(tmp_path)!r})
+        root = Path({str(root)!r})
         checkpointer = Checkpointer(str(root), rank=0)
         checkpointer.save({{"w": torch.ones(4)}}, 1)
         checkpointer.save({{"w": torch.zeros(64, 1024, 1024)}}, 2, asynchronous=True)
@@ -145,11 +146,14 @@ def test_a_process_killed_during_an_asynchronous_save_leaves_the_previous(
     )
     result = subprocess.run([sys.executable, "-c", script], timeout=120, capture_output=True)
     assert result.returncode == -9, result.stderr.decode()
-    checkpointer = Checkpointer(str(tmp_path), rank=0)
+    checkpointer = Checkpointer(str(root), rank=0)
     assert checkpointer.steps() == [1]
     loaded = checkpointer.load_latest()
     assert loaded is not None and loaded.step == 1
     assert torch.equal(loaded.state["w"], torch.ones(4))
+    assert loaded.skipped == (f"{mf.directory(2)}: unfinished (no manifest)",)
+    checkpointer.save({"w": torch.ones(4)}, 3)  # the next save clears the leftovers
+    assert sorted(p.name for p in root.iterdir()) == [mf.directory(1), mf.directory(3)]
 
 
 # --- the recovery chain, end to end --------------------------------------------------------

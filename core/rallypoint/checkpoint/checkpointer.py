@@ -23,6 +23,7 @@ logger = logging.getLogger("rallypoint.checkpoint")
 #: The variable the agent sets from ``--checkpoint-dir``.
 URL_ENV = "RALLYPOINT_CHECKPOINT_URL"
 STATE_FILE = "state.pt"
+BEGUN = "begun"  # written first: a checkpoint with it and no manifest was never finished
 SHARDS = "shards"
 
 
@@ -134,6 +135,7 @@ class Checkpointer:
         import torch
 
         name = mf.directory(step)
+        self._begin(step)
         with self.storage.writer(f"{name}/{STATE_FILE}") as handle:
             writer = mf.HashingWriter(handle)
             torch.save(state, writer)  # type: ignore[arg-type]
@@ -148,6 +150,12 @@ class Checkpointer:
             blocked_seconds=seconds if blocked is None else blocked,
             asynchronous=blocked is not None,
         )
+
+    def _begin(self, step: int) -> None:
+        """Mark the checkpoint as begun, so that a save that never finished (the worker
+        died mid-write) is seen, and removed by a later save's rotation."""
+        with self.storage.writer(f"{mf.directory(step)}/{BEGUN}") as handle:
+            handle.write(b"")
 
     def _commit(self, step: int, format_: str, files: Mapping[str, mf.FileEntry]) -> None:
         manifest = mf.Manifest(step, self.world_size, time.time(), format_, dict(files))
@@ -174,6 +182,8 @@ class Checkpointer:
 
         began = time.perf_counter()
         path = self._local_path(f"{mf.directory(step)}/{SHARDS}")
+        if self.rank == 0:
+            self._begin(step)
         dcp_save(state, checkpoint_id=path)
         if dist.is_available() and dist.is_initialized():
             dist.barrier()  # every shard is written before the manifest
@@ -182,7 +192,7 @@ class Checkpointer:
         files = {}
         for name in self.storage.names():
             prefix = f"{mf.directory(step)}/{SHARDS}/"
-            if name.startswith(prefix):
+            if name.startswith(prefix) and not name.endswith(f"/{BEGUN}"):
                 with self.storage.reader(name) as handle:
                     files[name.removeprefix(f"{mf.directory(step)}/")] = _entry(handle.read())
         self._commit(step, "dcp", files)
