@@ -5,7 +5,7 @@ VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-PLUGINS := plugins/rendezvous_etcd plugins/rendezvous_redis plugins/metrics_prometheus
+PLUGINS := plugins/rendezvous_etcd plugins/rendezvous_redis plugins/metrics_prometheus examples/fsspec_store
 STAMP := $(VENV)/.installed
 # Debian packages of the servers the tests start: binary:package.
 SERVERS := etcd:etcd-server redis-server:redis-server prometheus:prometheus
@@ -50,13 +50,20 @@ test: install servers lint docs
 	$(PY) -m pytest
 
 DEMO_DIR := .demo
-demo: install
+EXAMPLES_STAMP := $(VENV)/.installed-examples
+$(EXAMPLES_STAMP): $(STAMP)
+	$(PIP) install -q -e '.[examples]'
+	touch $@
+
+# Two workers train on the digits; rank 1 crashes once at step 60 and the job resumes from
+# the checkpoint of step 50.
+demo: $(EXAMPLES_STAMP)
 	rm -rf $(DEMO_DIR)
 	$(VENV)/bin/rallypoint run --standalone --nproc-per-node 2 --max-restarts 2 \
 		--redirects 2 --log-dir $(DEMO_DIR)/logs --checkpoint-dir $(DEMO_DIR)/checkpoints \
 		--event-log $(DEMO_DIR)/events.jsonl \
-		examples/train.py --steps 60 --crash-at 25
-	@echo "demo done: worker logs, the checkpoint and the event log are under $(DEMO_DIR)/"
+		examples/train_digits.py --crash-at 60
+	@echo "demo done: worker logs, the checkpoints and the event log are under $(DEMO_DIR)/"
 
 # Side-by-side measurements against torchrun; write benchmarks/results/ and docs/benchmarks*.md.
 bench: install

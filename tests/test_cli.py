@@ -75,7 +75,7 @@ def test_version() -> None:
         (["--rank-assigner", "random"], ["Choose one of: ordered, sticky, topology"]),
         (["--metrics", "log,statsd"], ["--metrics 'statsd'", "jsonl, log, prometheus"]),
         (["--metrics", "jsonl", "--metrics-conf", "port=1"], ["--metrics-conf 'port'", "path"]),
-        (["--checkpoint-dir", "s3://bucket/run"], ["no checkpoint store serves s3://"]),
+        (["--checkpoint-dir", "nosuch://bucket/run"], ["no checkpoint store serves nosuch://"]),
         (["--redirects", "7"], ["--redirects '7'"]),
         (["--local-ranks-filter", "0,x"], ["--local-ranks-filter"]),
         (["--signals-to-handle", "SIGTERM,SIGNOPE"], ["'SIGNOPE' is not a signal name"]),

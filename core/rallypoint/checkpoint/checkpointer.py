@@ -302,7 +302,12 @@ class Checkpointer:
         except FileNotFoundError:
             raise mf.Damaged(f"{name.rsplit('/', 1)[-1]} is missing") from None
         except OSError as error:
-            raise mf.Damaged(f"{name} cannot be read ({error})") from None
+            # Not damage: the storage failed (a network error, a permission). Skipping a
+            # good checkpoint here would restart training from an older one, or from zero.
+            raise CheckpointError(
+                f"cannot read checkpoint file {name} from {self.storage.url} ({error}); "
+                "not skipping it, since it may be intact"
+            ) from None
 
     def _all_steps(self) -> set[int]:
         steps = (mf.step_of(name.split("/", 1)[0]) for name in self.storage.names())
