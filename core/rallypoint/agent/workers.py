@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import os
 import select
 import signal
@@ -21,27 +20,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from rallypoint.agent.environment import WorkerSpec
+from rallypoint.lifetime import die_with_parent
 
-_PR_SET_PDEATHSIG = 1
 _TAIL_LINES = 60
 _STDOUT, _STDERR = 1, 2
-
-_prctl: Any
-try:
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):  # not Linux: workers are still stopped by the agent
-    _prctl = None
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Runs in the child between fork and exec: tie the worker's life to the agent's."""
-    if _prctl is not None:
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # the agent died before prctl took effect
-        os._exit(1)
 
 
 @dataclass(frozen=True)
@@ -167,7 +152,7 @@ class WorkerGroup:
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     start_new_session=True,
-                    preexec_fn=lambda: _die_with_parent(agent_pid),
+                    preexec_fn=lambda: die_with_parent(agent_pid),
                 )
                 worker = Worker(spec, process, time.monotonic())
                 worker.pidfd = _pidfd(process.pid)

@@ -10,13 +10,14 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from rallypoint import worker_channel
 from rallypoint.checkpoint import manifest as mf
 from rallypoint.checkpoint.storage import CheckpointError, CheckpointStorage, FileStorage
+from rallypoint.lifetime import die_with_parent
 
 logger = logging.getLogger("rallypoint.checkpoint")
 
@@ -94,10 +95,12 @@ class Checkpointer:
         """Save ``state`` (anything ``torch.save`` takes) as the checkpoint of ``step``.
 
         Only rank 0 writes; on other ranks this returns at once. With ``asynchronous``,
-        the tensors are copied to CPU memory now and written by a background thread, so
-        training goes on while the file is written; a crash during that write leaves the
-        previous checkpoint as the newest. One save runs at a time: a save waits for the
-        previous one to finish.
+        training goes on while the file is written, from a snapshot of ``state`` taken now:
+        state in CPU memory is snapshotted by forking a writer process (copy-on-write:
+        no copy while the caller waits), state on a GPU is copied to CPU memory and
+        written by a background thread. A crash during the write leaves the previous
+        checkpoint as the newest. One save runs at a time: a save waits for the previous
+        one to finish.
         """
         if self.rank != 0:
             return
@@ -106,12 +109,17 @@ class Checkpointer:
         if not asynchronous:
             self._write(state, step, began, blocked=None)
             return
-        snapshot = snapshot_to_cpu(state)
-        blocked = time.perf_counter() - began
+        if hasattr(os, "fork") and _in_cpu_memory(state):
+            background = self._fork_writer(state, step, began)
+        else:
+            snapshot = snapshot_to_cpu(state)
+            blocked = time.perf_counter() - began
+
+            def background() -> None:
+                self._write_in_background(snapshot, step, began, blocked)
+
         self._pending = threading.Thread(
-            target=self._write_in_background,
-            args=(snapshot, step, began, blocked),
-            name=f"rallypoint-checkpoint-{step}",
+            target=background, name=f"rallypoint-checkpoint-{step}"
         )  # not a daemon: a worker that returns normally finishes its last save first
         self._pending.start()
 
@@ -123,6 +131,34 @@ class Checkpointer:
         error, self._pending_error = self._pending_error, None
         if error is not None:
             raise CheckpointError(f"the background checkpoint save failed: {error}") from error
+
+    def _fork_writer(self, state: Any, step: int, began: float) -> Callable[[], None]:
+        """Fork a process that writes ``state`` as the fork left it; return what waits
+        for it. The child shares the parent's memory copy-on-write, so the parent only
+        pays for the pages it changes while the child writes."""
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # the child: write, report, and leave without running any cleanup
+            code = 1
+            try:
+                die_with_parent(parent)  # a worker killed mid-write takes the write along
+                self._write(state, step, began, blocked=time.perf_counter() - began)
+                code = 0
+            except BaseException as error:
+                logger.error("checkpoint of step %d failed: %s", step, error)
+            finally:
+                os._exit(code)
+
+        def wait_for_child() -> None:
+            _, status = os.waitpid(pid, 0)
+            code = os.waitstatus_to_exitcode(status)
+            if code != 0:
+                reason = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+                self._pending_error = CheckpointError(
+                    f"the process writing checkpoint {step} failed ({reason})"
+                )
+
+        return wait_for_child
 
     def _write_in_background(self, state: Any, step: int, began: float, blocked: float) -> None:
         try:
@@ -316,6 +352,19 @@ class Checkpointer:
     def _complete_steps(self) -> set[int]:
         names = set(self.storage.names())
         return {s for s in self._all_steps() if f"{mf.directory(s)}/{mf.MANIFEST}" in names}
+
+
+def _in_cpu_memory(state: Any) -> bool:
+    """Whether every tensor in ``state`` lives in CPU memory (what a fork can snapshot)."""
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return state.device.type == "cpu"
+    if isinstance(state, Mapping):
+        return all(_in_cpu_memory(value) for value in state.values())
+    if isinstance(state, (list, tuple)):
+        return all(_in_cpu_memory(value) for value in state)
+    return True
 
 
 def snapshot_to_cpu(state: Any) -> Any:

@@ -291,11 +291,11 @@ class StoreRendezvous:
             logger.warning("exit barrier: not every node finished within %.0f s", timeout)
 
     def close(self) -> None:
-        self._stop_heartbeats()
+        if not self._stop_heartbeats():
+            self._beat_store.close()  # else the heartbeat thread closes its store as it ends
         if self._port is not None:
             self._port.release()
             self._port = None
-        self._beat_store.close()
         self.store.close()
 
     # --- joining --------------------------------------------------------------------------
@@ -446,14 +446,28 @@ class StoreRendezvous:
         )
 
     def _joined(self, round_: int, count: int, start: int = 1) -> list[records.NodeRecord]:
-        """The records of joiners ``start..count``, in one read once they are all written."""
+        """The records of joiners ``start..count``, in one read once they are all written.
+
+        A join number without a record after close_timeout is left out: its node died
+        between taking the number and writing the record, or a retried ``add`` after a
+        lost reply counted one join twice. The round goes on without it.
+        """
         keys = [self.keys.of_round(round_, "node", i) for i in range(start, count + 1)]
         if not keys:
             return []
-        if not self.store.wait(keys, self.settings.close_timeout):
-            raise RendezvousTimeout(f"rendezvous round {round_}: joiners did not finish joining")
+        complete = self.store.wait(keys, self.settings.close_timeout)
         values = self.store.get_many(keys)
-        return [records.decode_node(k, v or b"") for k, v in zip(keys, values, strict=True)]
+        if not complete:
+            logger.warning(
+                "rendezvous round %d: %d of join numbers %d..%d have no record after "
+                "close_timeout=%g s; closing without them",
+                round_,
+                sum(v is None for v in values),
+                start,
+                count,
+                self.settings.close_timeout,
+            )
+        return [records.decode_node(k, v) for k, v in zip(keys, values, strict=True) if v]
 
     def _wait_for_survivors(
         self, round_: int, previous: records.RoundRecord
@@ -470,10 +484,12 @@ class StoreRendezvous:
         expected = records.decode_int(keys.of_round(round_, "expected"), raw) if raw else 0
         newcomers = max(0, expected - len(previous.node_ids))
         nodes: list[records.NodeRecord] = []
+        read = 0  # join numbers read so far: each record is read once
         end = time.monotonic() + s.last_call_timeout
         while True:
             count = min(self.store.add(keys.of_round(round_, "joined"), 0), s.max_nodes)
-            nodes += self._joined(round_, count, start=len(nodes) + 1)  # each read once
+            nodes += self._joined(round_, count, start=read + 1)
+            read = max(read, count)
             if count >= s.max_nodes or time.monotonic() >= end:
                 return nodes
             joined = {n.node_id for n in nodes}
@@ -523,12 +539,15 @@ class StoreRendezvous:
         )
         self._heartbeat.start()
 
-    def _stop_heartbeats(self) -> None:
+    def _stop_heartbeats(self) -> bool:
+        """Stop the heartbeat thread; whether it was running (it then closes its store)."""
         self._stop_heartbeat.set()
         self._wake_heartbeat.set()
-        if self._heartbeat is not None:
-            self._heartbeat.join(WAKE_SLICE + 1)
-            self._heartbeat = None
+        thread, self._heartbeat = self._heartbeat, None
+        if thread is None:
+            return False
+        thread.join(WAKE_SLICE + 1)  # a store call may hold it longer: it ends on its own
+        return True
 
     def _beat(self, store: CoordinationStore, stop: threading.Event) -> None:
         """The heartbeat thread: keep this node alive every heartbeat_timeout / 3; while
@@ -566,7 +585,10 @@ class StoreRendezvous:
                     self._wake_heartbeat.wait(until)
                     self._wake_heartbeat.clear()
         except StoreError as error:
-            self._heartbeat_error = error
+            if not stop.is_set():
+                self._heartbeat_error = error
+        finally:
+            store.close()
 
     def _check_neighbour(self, store: CoordinationStore) -> None:
         """End the round if the member this node watches stopped beating."""
