@@ -599,7 +599,8 @@ class StoreRendezvous:
         if store.alive(self.keys.heartbeat(node_id), self.settings.heartbeat_timeout):
             return
         logger.warning(
-            "node %s (host %s) sent no heartbeat for %.0f s: starting a new round",
+            "node %s (host %s) is gone (no heartbeat within heartbeat_timeout=%g s, or it "
+            "left): starting a new round",
             node_id,
             host,
             self.settings.heartbeat_timeout,

@@ -7,7 +7,7 @@ from typing import Any
 
 from rallypoint.rendezvous import records
 from rallypoint.rendezvous.protocol import Keys
-from rallypoint.rendezvous.store import CoordinationStore
+from rallypoint.rendezvous.store import CoordinationStore, CounterLiveness
 
 
 def read_status(
@@ -17,7 +17,8 @@ def read_status(
     whether each member is alive.
 
     A store that keeps liveness with counters (TCPStore) can only tell by watching them
-    move, so this takes ``heartbeat_timeout / 3`` and a little more on such a store.
+    move, so this takes ``heartbeat_timeout / 3`` and a little more on such a store; a
+    store with leases or expiring keys (etcd, Redis) answers at once.
     """
     raw_state = store.get(keys.state())
     if raw_state is None:
@@ -32,9 +33,9 @@ def read_status(
     record = records.decode_round(closed_key, raw_closed) if raw_closed else None
     members = record.node_ids if record else ()
     sample = heartbeat_timeout / 3 + 0.5
-    for node_id in members:  # a counter store starts watching here
-        store.alive(keys.heartbeat(node_id), sample)
-    if members:
+    if members and isinstance(store, CounterLiveness):  # liveness is a counter moving
+        for node_id in members:
+            store.alive(keys.heartbeat(node_id), sample)
         time.sleep(sample)
     alive = {node_id: store.alive(keys.heartbeat(node_id), sample) for node_id in members}
     joined_now = store.add(keys.of_round(round_, "joined"), 0)

@@ -25,12 +25,12 @@ from pathlib import Path
 import fsspec
 import pytest
 import torch
-from rallypoint_fsspec.storage import TEMPORARY, FsspecStorage
 
 from rallypoint.checkpoint import Checkpointer, CheckpointError
 from rallypoint.checkpoint import manifest as mf
 from rallypoint.errors import UsageError
 from rallypoint.plugins import build_plugin_manager, get_plugin_manager
+from rallypoint_fsspec.storage import TEMPORARY, FsspecStorage
 
 HERE = Path(__file__).parent
 PLUGIN = HERE.parent

@@ -6,15 +6,31 @@ a run uses the backend, so an installed plugin costs the CLI nothing.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rallypoint import hookimpl
-from rallypoint.extensions import COMMON_RENDEZVOUS_OPTIONS, ConfigOption, RendezvousBackend
+from rallypoint.errors import UsageError
+from rallypoint.extensions import (
+    COMMON_RENDEZVOUS_OPTIONS,
+    ConfigOption,
+    RendezvousBackend,
+    RendezvousRequest,
+)
+
+if TYPE_CHECKING:
+    from rallypoint.rendezvous.store import CoordinationStore
 
 __version__ = "0.1.0"
 
 OPTIONS: tuple[ConfigOption, ...] = (
     *COMMON_RENDEZVOUS_OPTIONS,
     ConfigOption("prefix", str, "/rallypoint", "key prefix; the run id is appended"),
-    ConfigOption("lease_ttl", float, 10.0, "seconds a dead agent's keys outlive it"),
+    ConfigOption(
+        "lease_ttl",
+        float,
+        10.0,
+        "seconds a dead agent's lease outlives it (at most heartbeat_timeout)",
+    ),
     ConfigOption("connect_timeout", float, 5.0, "seconds to reach an endpoint"),
     ConfigOption("ca_cert", str, None, "CA certificate file for TLS"),
     ConfigOption("cert", str, None, "client certificate file for TLS"),
@@ -24,6 +40,44 @@ OPTIONS: tuple[ConfigOption, ...] = (
 )
 
 
+def connect(request: RendezvousRequest) -> CoordinationStore:
+    """A client of the etcd cluster at ``request.endpoint``, checked within connect_timeout."""
+    from rallypoint.rendezvous.protocol import DEFAULT_PREFIX
+    from rallypoint_etcd.store import EtcdConfig, EtcdStore, parse_endpoints
+
+    options = request.options
+    try:
+        endpoints, tls = parse_endpoints(request.endpoint)
+    except ValueError as error:
+        raise UsageError(f"--rdzv-endpoint {request.endpoint!r}: {error}.") from None
+    heartbeat = float(options.get("heartbeat_timeout") or 15.0)
+    lease_ttl = float(options.get("lease_ttl") or heartbeat)
+    if lease_ttl <= heartbeat / 3:
+        raise UsageError(
+            f"--rdzv-conf lease_ttl={lease_ttl:g}: agents renew their lease every "
+            f"heartbeat_timeout / 3 = {heartbeat / 3:g} s, so it would lapse between renewals; "
+            "raise lease_ttl or lower heartbeat_timeout."
+        )
+    if (options.get("user") is None) != (options.get("password") is None):
+        raise UsageError("--rdzv-conf: give both user and password, or neither.")
+    connect_timeout = float(options.get("connect_timeout") or 5.0)
+    config = EtcdConfig(
+        endpoints=endpoints,
+        tls=tls,
+        ca_cert=options.get("ca_cert"),
+        cert=options.get("cert"),
+        key=options.get("key"),
+        user=options.get("user"),
+        password=options.get("password"),
+        connect_timeout=connect_timeout,
+        # A request may take longer than a connection: etcd under load, a leader election.
+        request_timeout=max(10.0, 2 * connect_timeout),
+        lease_ttl=lease_ttl,
+    )
+    prefix = str(options.get("prefix") or DEFAULT_PREFIX).rstrip("/")
+    return EtcdStore(config, probe_key=f"{prefix}/{request.run_id}/state")
+
+
 @hookimpl
 def register_rendezvous_backends() -> list[RendezvousBackend]:
     return [
@@ -31,5 +85,6 @@ def register_rendezvous_backends() -> list[RendezvousBackend]:
             name="etcd",
             description="etcd v3: leases for liveness, watches for waiting (host:port[,host:port])",
             options=OPTIONS,
+            connect=connect,
         )
     ]

@@ -7,14 +7,22 @@ uses the backend, so an installed plugin costs the CLI nothing.
 from __future__ import annotations
 
 from rallypoint import hookimpl
-from rallypoint.extensions import COMMON_RENDEZVOUS_OPTIONS, ConfigOption, RendezvousBackend
+from rallypoint.extensions import (
+    COMMON_RENDEZVOUS_OPTIONS,
+    ConfigOption,
+    RendezvousBackend,
+    RendezvousRequest,
+)
+from rallypoint.rendezvous.store import CoordinationStore
 
 __version__ = "0.1.0"
 
 OPTIONS: tuple[ConfigOption, ...] = (
     *COMMON_RENDEZVOUS_OPTIONS,
     ConfigOption("prefix", str, "rallypoint", "key prefix; the run id is appended"),
-    ConfigOption("key_ttl", float, 10.0, "seconds a dead agent's keys outlive it"),
+    ConfigOption(
+        "key_ttl", float, 10.0, "seconds a dead agent's liveness key outlives it (at most)"
+    ),
     ConfigOption("connect_timeout", float, 5.0, "seconds to reach the server"),
     ConfigOption("db", int, 0, "database number"),
     ConfigOption("username", str, None, "ACL user name"),
@@ -26,6 +34,13 @@ OPTIONS: tuple[ConfigOption, ...] = (
 )
 
 
+def connect(request: RendezvousRequest) -> CoordinationStore:
+    """A client of the Redis that ``--rdzv-endpoint`` names (redis-py loads here)."""
+    from rallypoint_redis.store import connect_store
+
+    return connect_store(request)
+
+
 @hookimpl
 def register_rendezvous_backends() -> list[RendezvousBackend]:
     return [
@@ -33,5 +48,6 @@ def register_rendezvous_backends() -> list[RendezvousBackend]:
             name="redis",
             description="Redis: key TTLs for liveness, blocking calls for waiting (host:port or URL)",
             options=OPTIONS,
+            connect=connect,
         )
     ]

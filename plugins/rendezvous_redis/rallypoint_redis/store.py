@@ -1,0 +1,556 @@
+"""``RedisStore``: the coordination store of the ``redis`` backend, on redis-py.
+
+How the store's operations map to Redis:
+
+* ``add``, ``set`` and ``compare_set`` are server-side Lua scripts: each is atomic, takes
+  one round trip, and publishes on the key's channel when it creates the key.
+* ``wait`` subscribes to the channels of the keys it waits for (a channel is named like
+  its key), then checks which keys exist, then blocks on the subscription until the
+  missing ones are published. No polling: a round closes as soon as its last key is set.
+* ``keep_alive`` sets a key with a TTL (``PX``) that the owner refreshes; ``alive`` is
+  whether the key exists. A dead agent's key expires on the server, so no other agent has
+  to watch clocks.
+
+redis-py's own retries are off: an unreachable server is ``StoreUnavailable`` at once,
+and the rendezvous protocol retries with its backoff for ``retry_timeout``. Nothing from
+redis-py escapes; every error says which server and what to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import os
+import ssl
+import time
+import urllib.parse
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from rallypoint.errors import UsageError
+from rallypoint.extensions import RendezvousRequest
+from rallypoint.rendezvous.handlers import parse_endpoint
+from rallypoint.rendezvous.store import StoreError, StoreUnavailable
+
+logger = logging.getLogger("rallypoint.redis")
+
+T = TypeVar("T")
+
+DEFAULT_PORT = 6379
+DEFAULT_SENTINEL_PORT = 26379
+#: The least time to wait for a reply (``connect_timeout`` bounds connecting only).
+READ_TIMEOUT_FLOOR = 10.0
+#: While a wait is idle this long, PING the subscription: a connection to a server that
+#: vanished without closing it (a host gone, a partition) must not hold a wait for its
+#: whole timeout.
+SUBSCRIPTION_CHECK = 5.0
+
+# No CLIENT SETINFO on connect: two round trips fewer for every new connection
+# (redis-py >= 7 takes driver_info=None; older ones lib_name and lib_version).
+_NO_CLIENT_SETINFO: dict[str, Any] = (
+    {"driver_info": None}
+    if "driver_info" in inspect.signature(redis.Redis.__init__).parameters
+    else {"lib_name": None, "lib_version": None}
+)
+
+# KEYS[1]: the key, which is also the channel its waiters subscribe to.
+_SET = """
+local existed = redis.call('EXISTS', KEYS[1])
+redis.call('SET', KEYS[1], ARGV[1])
+if existed == 0 then redis.call('PUBLISH', KEYS[1], '') end
+return 1
+"""
+
+_ADD = """
+local existed = redis.call('EXISTS', KEYS[1])
+if existed == 1 and ARGV[1] == '0' then return redis.call('INCRBY', KEYS[1], 0) end
+local value = redis.call('INCRBY', KEYS[1], ARGV[1])
+if existed == 0 then redis.call('PUBLISH', KEYS[1], '') end
+return value
+"""
+
+# ARGV: 1 if a value is expected (else: the key must be absent), the expected value,
+# the desired value.
+_COMPARE_SET = """
+local current = redis.call('GET', KEYS[1])
+if (ARGV[1] == '0' and current == false) or (ARGV[1] == '1' and current == ARGV[2]) then
+  redis.call('SET', KEYS[1], ARGV[3])
+  if current == false then redis.call('PUBLISH', KEYS[1], '') end
+  return ARGV[3]
+end
+if current == false then return '' end
+return current
+"""
+
+
+@dataclass(frozen=True)
+class Target:
+    """How to reach one Redis deployment; ``client()`` opens a new connection pool."""
+
+    describe: str  # "Redis at 127.0.0.1:6379", for messages
+    client: Callable[[], Any]  # a redis.Redis; redis-py's own annotations are partial
+    socket_timeout: float
+    user: str | None = None
+    tls: bool = False
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+class RedisStore:
+    """``CoordinationStore`` on one Redis database (standalone, or a Sentinel master).
+
+    One instance is used by one thread; ``clone`` opens a second connection pool.
+    """
+
+    def __init__(self, target: Target, key_ttl: float) -> None:
+        self.target = target
+        self.key_ttl = key_ttl
+        self._client: Any = target.client()
+        self._set = self._client.register_script(_SET)
+        self._add = self._client.register_script(_ADD)
+        self._compare_set = self._client.register_script(_COMPARE_SET)
+        self._subscriber: Any = None  # a redis.connection.Connection in subscribe mode
+        self._channels: set[str] = set()  # what the subscriber is subscribed to
+        self._closed = False
+
+    # --- errors ---------------------------------------------------------------------------
+
+    def _call(self, operation: Callable[[], T]) -> T:
+        try:
+            return operation()
+        except redis.RedisError as error:
+            raise translate(error, self.target) from None
+        except Exception as error:
+            raise self._broken(error) from None
+
+    def _broken(self, error: Exception) -> Exception:
+        """A socket error redis-py let through, or any error of a call that ``close()``
+        (from another thread: a handler shutting down) pulled the connection from under."""
+        if self._closed:
+            return StoreError(f"the connection to {self.target.describe} was closed")
+        if isinstance(error, (OSError, ValueError)):
+            return StoreUnavailable(f"cannot reach {self.target.describe} ({error})")
+        return error
+
+    # --- CoordinationStore ----------------------------------------------------------------
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._call(lambda: self._add(keys=[key], args=[int(amount)])))
+
+    def get(self, key: str) -> bytes | None:
+        value = self._call(lambda: self._client.get(key))
+        return None if value is None else bytes(value)
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        if not keys:
+            return []
+        values = self._call(lambda: self._client.mget(list(keys)))
+        return [None if value is None else bytes(value) for value in values]
+
+    def set(self, key: str, value: bytes) -> None:
+        self._call(lambda: self._set(keys=[key], args=[bytes(value)]))
+
+    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bytes:
+        args = ["0", b""] if expected is None else ["1", bytes(expected)]
+        value = self._call(lambda: self._compare_set(keys=[key], args=[*args, bytes(desired)]))
+        return bytes(value)
+
+    def keep_alive(self, key: str, ttl: float) -> None:
+        # The key lives min(ttl, key_ttl): key_ttl bounds how long a dead agent looks alive.
+        milliseconds = max(1, int(min(ttl, self.key_ttl) * 1000))
+        self._call(lambda: self._client.set(key, b"1", px=milliseconds))
+
+    def alive(self, key: str, ttl: float) -> bool:
+        return bool(self._call(lambda: self._client.exists(key)))
+
+    def wait(self, keys: Sequence[str], timeout: float) -> bool:
+        deadline = time.monotonic() + max(0.0, timeout)
+        wanted = list(dict.fromkeys(keys))
+        if not wanted:
+            return True
+        try:
+            return self._wait(wanted, deadline)
+        except redis.RedisError as error:
+            self._drop_subscriber()  # its state is unknown now: subscribe afresh next time
+            raise translate(error, self.target) from None
+        except Exception as error:
+            with contextlib.suppress(Exception):
+                self._drop_subscriber()
+            raise self._broken(error) from None
+
+    def clone(self) -> RedisStore:
+        return RedisStore(self.target, self.key_ttl)
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(redis.RedisError, OSError, ValueError):
+            self._drop_subscriber()
+        self._client.close()
+
+    # --- waiting --------------------------------------------------------------------------
+
+    def _missing(self, keys: Sequence[str]) -> list[str]:
+        if len(keys) == 1:
+            return [] if self._client.exists(keys[0]) else list(keys)
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(key)
+        return [key for key, found in zip(keys, pipe.execute(), strict=True) if not found]
+
+    def _wait(self, keys: list[str], deadline: float) -> bool:
+        missing = self._missing(keys)
+        if not missing:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        # Subscribe first, then look again: a key set in between is seen either way.
+        subscriber = self._subscribe(missing, deadline)
+        if subscriber is None:
+            return False
+        pending = set(self._missing(missing))
+        check_at = time.monotonic() + SUBSCRIPTION_CHECK
+        ping_deadline: float | None = None
+        while pending:
+            now = time.monotonic()
+            if now >= deadline:
+                return False
+            until = min(deadline, ping_deadline if ping_deadline is not None else check_at)
+            if subscriber.can_read(timeout=max(0.0, until - now)):
+                reply = subscriber.read_response()
+                kind = _kind(reply)
+                if kind == b"message":
+                    pending.discard(_text(reply[1]))
+                    if not pending:  # every key was created: make sure they still exist
+                        pending = set(self._missing(missing))
+                elif kind == b"pong":
+                    ping_deadline = None
+                    check_at = time.monotonic() + SUBSCRIPTION_CHECK
+                continue
+            now = time.monotonic()
+            if ping_deadline is not None and now >= ping_deadline:
+                raise redis.TimeoutError("the subscription connection stopped answering")
+            if ping_deadline is None and now >= check_at:
+                subscriber.send_command("PING")
+                ping_deadline = now + self.target.socket_timeout
+        return True
+
+    def _subscribe(self, channels: list[str], deadline: float) -> Any:
+        """Subscribed to exactly ``channels`` (and confirmed), or None at the deadline."""
+        subscriber = self._subscription()
+        new = [channel for channel in channels if channel not in self._channels]
+        stale = sorted(self._channels.difference(channels))
+        commands: list[tuple[str, ...]] = []
+        if stale:
+            commands.append(("UNSUBSCRIBE", *stale))
+        if new:
+            commands.append(("SUBSCRIBE", *new))
+        if not commands:
+            return subscriber
+        subscriber.send_packed_command(subscriber.pack_commands(commands))
+        self._channels = set(channels)
+        confirming, leaving = set(new), len(stale)
+        while confirming or leaving:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not subscriber.can_read(timeout=remaining):
+                self._drop_subscriber()  # replies still due: start clean next time
+                return None
+            reply = subscriber.read_response()
+            kind = _kind(reply)
+            if kind == b"subscribe":
+                confirming.discard(_text(reply[1]))
+            elif kind == b"unsubscribe":
+                leaving -= 1
+        return subscriber
+
+    def _subscription(self) -> Any:
+        if self._subscriber is None:
+            self._subscriber = self._client.connection_pool.get_connection()
+        return self._subscriber
+
+    def _drop_subscriber(self) -> None:
+        subscriber, self._subscriber = self._subscriber, None
+        self._channels = set()
+        if subscriber is not None:
+            subscriber.disconnect()
+            self._client.connection_pool.release(subscriber)
+
+
+def _kind(reply: Any) -> bytes:
+    if isinstance(reply, list) and reply:
+        return bytes(reply[0])
+    return b""
+
+
+def _text(value: Any) -> str:
+    return bytes(value).decode("utf-8", "replace")
+
+
+# --- errors -------------------------------------------------------------------------------
+
+
+def translate(error: redis.RedisError, target: Target) -> StoreError:
+    """One sentence for ``error``: ``StoreUnavailable`` when retrying may help."""
+    where = target.describe
+    if isinstance(error, (redis.AuthenticationError, redis.AuthenticationWrongNumberOfArgsError)):
+        who = f"user {target.user!r}" if target.user else "the default user"
+        message = _first_line(error)
+        # redis-py drops the error code; name it, it is what the server's docs list.
+        code = "NOAUTH" if "required" in message.lower() else "WRONGPASS"
+        return StoreError(
+            f"{where} refused authentication for {who} ({code} {message}); give the "
+            "right username and password (--rdzv-conf username=..., password or "
+            "$REDIS_PASSWORD)"
+        )
+    tls = _tls_failure(error)
+    if tls is not None:
+        return StoreError(
+            f"TLS with {where} failed ({tls}); check ssl_ca_certs, ssl_certfile and "
+            "ssl_keyfile, or use a redis:// endpoint if the server does not speak TLS"
+        )
+    if isinstance(error, redis.exceptions.NoPermissionError):
+        return StoreError(
+            f"{where}: the ACL user may not do this ({_first_line(error)}); it needs the "
+            "rendezvous prefix's keys and channels (~PREFIX* &PREFIX*) and the commands "
+            "+@read +@write +@scripting +@pubsub +ping"
+        )
+    message = _first_line(error)
+    if isinstance(error, (redis.ConnectionError, redis.TimeoutError)) or message.startswith(
+        ("READONLY", "MASTERDOWN", "LOADING", "TRYAGAIN")
+    ):
+        return StoreUnavailable(f"cannot reach {where} ({message})")
+    if isinstance(error, redis.exceptions.OutOfMemoryError):
+        return StoreError(
+            f"{where} is out of memory (maxmemory) and refuses writes; free memory or raise "
+            "its maxmemory"
+        )
+    return StoreError(f"{where} failed: {message}")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0].rstrip(".")
+
+
+def _tls_failure(error: BaseException) -> str | None:
+    seen: BaseException | None = error
+    for _ in range(5):
+        if seen is None:
+            return None
+        if isinstance(seen, ssl.SSLError):
+            reason = getattr(seen, "reason", None) or _first_line(seen)
+            detail = getattr(seen, "verify_message", None)
+            return f"{reason}: {detail}" if detail else str(reason)
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+# --- connecting ---------------------------------------------------------------------------
+
+
+def target_for(request: RendezvousRequest) -> Target:
+    """Parse ``--rdzv-endpoint`` and the ``--rdzv-conf`` options into a ``Target``.
+
+    Endpoints: ``host[:port]``, ``redis://[user[:password]@]host[:port][/db]``,
+    ``rediss://...`` (TLS) and ``sentinel://host[:port][,host[:port]...][/db]`` (with the
+    ``sentinel_master`` option). ``--rdzv-conf`` values override what the URL says.
+    """
+    options = dict(request.options)
+    endpoint = request.endpoint.strip()
+    if not endpoint:
+        raise UsageError("--rdzv-backend redis: give --rdzv-endpoint host:port or a redis:// URL.")
+    scheme, _, rest = endpoint.rpartition("://") if "://" in endpoint else ("", "", endpoint)
+    scheme = scheme.lower()
+    if scheme not in ("", "redis", "rediss", "sentinel"):
+        raise UsageError(
+            f"--rdzv-endpoint {endpoint!r}: unsupported scheme {scheme!r}; use host:port, "
+            "redis://, rediss:// or sentinel://."
+        )
+    url_user = url_password = None
+    url_db: int | None = None
+    if scheme:
+        parsed = urllib.parse.urlsplit(endpoint)
+        if parsed.query or parsed.fragment:
+            raise UsageError(
+                f"--rdzv-endpoint {endpoint!r}: give settings with --rdzv-conf, not in the URL."
+            )
+        url_user = urllib.parse.unquote(parsed.username) if parsed.username else None
+        url_password = urllib.parse.unquote(parsed.password) if parsed.password else None
+        db_text = parsed.path.strip("/")
+        if db_text:
+            if not db_text.isdigit():
+                raise UsageError(
+                    f"--rdzv-endpoint {endpoint!r}: the path must be a database number."
+                )
+            url_db = int(db_text)
+        rest = parsed.netloc.rpartition("@")[2]
+    username = options.get("username") or url_user
+    password = options.get("password") or url_password or os.environ.get("REDIS_PASSWORD")
+    db = url_db if url_db is not None and not options.get("db") else int(options.get("db") or 0)
+    timeout = float(options.get("connect_timeout") or 5.0)
+    # Replies get longer than connects: a reply that times out leaves the command's fate
+    # unknown (a paused server runs it when it resumes), so a retried add would count twice.
+    read_timeout = max(timeout, READ_TIMEOUT_FLOOR)
+    tls_files = {
+        "ssl_ca_certs": options.get("ssl_ca_certs"),
+        "ssl_certfile": options.get("ssl_certfile"),
+        "ssl_keyfile": options.get("ssl_keyfile"),
+    }
+    for name, path in tls_files.items():
+        if path and not os.path.isfile(path):
+            raise UsageError(f"--rdzv-conf {name}={path}: no such file.")
+    tls = scheme == "rediss" or any(tls_files.values())
+    connection: dict[str, Any] = {
+        "username": username,
+        "password": password,
+        "db": db,
+        "socket_connect_timeout": timeout,
+        "socket_timeout": read_timeout,
+        "socket_keepalive": True,
+        "retry": Retry(NoBackoff(), 0),  # the protocol retries, with its own backoff
+        "protocol": 2,
+        **_NO_CLIENT_SETINFO,
+    }
+    if tls:
+        connection["ssl"] = True
+        connection.update({name: path for name, path in tls_files.items() if path})
+    if scheme == "sentinel":
+        return _sentinel_target(rest, endpoint, options, connection, timeout, tls)
+    host, port = parse_endpoint(rest, DEFAULT_PORT)
+    if not host:
+        raise UsageError(f"--rdzv-endpoint {endpoint!r}: expected host:port.")
+    describe = f"Redis at {host}:{port}" + (f" (db {db})" if db else "")
+    return Target(
+        describe,
+        lambda: redis.Redis(host=host, port=port, **connection),
+        read_timeout,
+        user=username,
+        tls=tls,
+        options=options,
+    )
+
+
+def _sentinel_target(
+    hosts: str,
+    endpoint: str,
+    options: dict[str, Any],
+    connection: dict[str, Any],
+    timeout: float,
+    tls: bool,
+) -> Target:
+    from redis.sentinel import Sentinel
+
+    master = options.get("sentinel_master")
+    if not master:
+        raise UsageError(
+            f"--rdzv-endpoint {endpoint!r}: name the master the sentinels watch with "
+            "--rdzv-conf sentinel_master=NAME."
+        )
+    sentinels = [parse_endpoint(item, DEFAULT_SENTINEL_PORT) for item in hosts.split(",") if item]
+    if not sentinels or not all(host for host, _ in sentinels):
+        raise UsageError(f"--rdzv-endpoint {endpoint!r}: expected sentinel://host:port[,...].")
+    sentinel_settings = {
+        "socket_connect_timeout": timeout,
+        "socket_timeout": timeout,
+        "retry": Retry(NoBackoff(), 0),
+        "protocol": 2,
+    }
+    if tls:
+        sentinel_settings.update({k: v for k, v in connection.items() if k.startswith("ssl")})
+
+    def client() -> Any:
+        manager = Sentinel(sentinels, sentinel_kwargs=sentinel_settings, **connection)  # type: ignore[no-untyped-call]
+        return manager.master_for(str(master))  # type: ignore[no-untyped-call]
+
+    listed = ",".join(f"{host}:{port}" for host, port in sentinels)
+    return Target(
+        f"Redis master {master!r} (sentinels {listed})",
+        client,
+        float(connection["socket_timeout"]),
+        user=connection.get("username"),
+        tls=tls,
+        options=options,
+    )
+
+
+def check_key_ttl(options: dict[str, Any]) -> float:
+    """``key_ttl``, refused when live agents would look dead: each refreshes its key every
+    ``heartbeat_timeout / 3``, so the key must outlive two refreshes."""
+    key_ttl = float(options.get("key_ttl") or 10.0)
+    heartbeat = float(options.get("heartbeat_timeout") or 15.0)
+    if key_ttl < 2 * heartbeat / 3:
+        raise UsageError(
+            f"--rdzv-conf key_ttl={key_ttl:g} is shorter than two key refreshes "
+            f"(agents refresh every heartbeat_timeout/3 = {heartbeat / 3:g} s): live agents "
+            f"would look dead; set key_ttl of at least {2 * heartbeat / 3:g} or lower "
+            "heartbeat_timeout."
+        )
+    return key_ttl
+
+
+def connect_store(request: RendezvousRequest) -> RedisStore:
+    """A store on the Redis that ``request`` names, checked: the server answers, accepts
+    the credentials and the TLS settings. While it cannot be reached the agent retries for
+    ``retry_timeout`` (a viewer tries once); other failures are errors at once."""
+    target = target_for(request)
+    key_ttl = float(target.options.get("key_ttl") or 10.0)
+    if not request.viewer:
+        key_ttl = check_key_ttl(target.options)
+    store = RedisStore(target, key_ttl)
+    try:
+        _probe(store, 0.0 if request.viewer else float(target.options.get("retry_timeout") or 60))
+    except BaseException:
+        store.close()
+        raise
+    return store
+
+
+def _probe(store: RedisStore, retry_timeout: float) -> None:
+    began = time.monotonic()
+    delay = 0.1
+    while True:
+        try:
+            store._call(store._client.ping)
+            break
+        except StoreUnavailable as error:
+            waited = time.monotonic() - began
+            if waited >= retry_timeout:
+                tls = (
+                    "with TLS on that port" if store.target.tls else "without TLS (else: rediss://)"
+                )
+                raise StoreError(
+                    f"{error}; is redis-server running there, {tls}, and reachable from "
+                    "this host?" + (f" (retried for {retry_timeout:g} s)" if retry_timeout else "")
+                ) from None
+            if delay == 0.1:
+                logger.warning("%s; retrying for up to %g s", error, retry_timeout)
+            time.sleep(min(delay, retry_timeout - waited))
+            delay = min(delay * 2, 2.0)
+    # Open the subscription connection now, off the path of the first wait.
+    store._call(lambda: store._subscription())
+    policy = _eviction_policy(store)
+    if policy is not None and policy != "noeviction":
+        logger.warning(
+            "%s has maxmemory-policy %s: under memory pressure it may evict rendezvous keys "
+            "and break a round; set maxmemory-policy noeviction",
+            store.target.describe,
+            policy,
+        )
+
+
+def _eviction_policy(store: RedisStore) -> str | None:
+    """The server's maxmemory-policy, or None where CONFIG is renamed or forbidden."""
+    try:
+        reply = store._client.config_get("maxmemory-policy")
+    except redis.ResponseError:
+        return None
+    except redis.RedisError as error:
+        raise translate(error, store.target) from None
+    value = reply.get("maxmemory-policy") or reply.get(b"maxmemory-policy")
+    if value is None:
+        return None
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,237 @@
+"""Real agents (``rallypoint run`` processes, gloo workers) on ``--rdzv-backend etcd``, and
+the command line's errors, against real etcd servers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from etcd_servers import PASSWORD, USER, Certificates, Restartable, TlsEtcd
+
+from launch import RALLYPOINT, clean_environment, worker
+from servers import EtcdServer, free_port
+
+pytestmark = pytest.mark.usefixtures("agent_tmpdir")
+
+# Dead agents are found within lease_ttl (their lease expires) + heartbeat_timeout / 3.
+CONF = "heartbeat_timeout=3,lease_ttl=3,last_call_timeout=1,connect_timeout=5"
+
+
+def start_agent(
+    endpoint: str, nnodes: str, *script: str, log: Path, nproc: int = 2, conf: str = CONF
+) -> subprocess.Popen[str]:
+    command = [
+        RALLYPOINT, "run", "--nnodes", nnodes, "--nproc-per-node", str(nproc), "--max-restarts", "3",
+        "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint, "--rdzv-id", "job",
+        "--rdzv-conf", conf, "--event-log", str(log.with_suffix(".jsonl")), *script,
+    ]  # fmt: skip
+    handle = log.open("w")
+    return subprocess.Popen(
+        command, env=clean_environment(), stdout=handle, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def wait_for_text(log: Path, text: str, timeout: float = 90) -> None:
+    """Until ``text`` is in ``log`` (the agents' output is the only signal they give)."""
+    deadline = time.monotonic() + timeout
+    while text not in log.read_text():
+        assert time.monotonic() < deadline, f"{text!r} never appeared:\n{log.read_text()}"
+        time.sleep(0.1)
+
+
+def events(log: Path, name: str) -> list[dict[str, Any]]:
+    lines = log.with_suffix(".jsonl").read_text().splitlines()
+    return [record for record in map(json.loads, lines) if record["event"] == name]
+
+
+def finish(agents: list[subprocess.Popen[str]], logs: list[Path], timeout: float = 90) -> None:
+    try:
+        codes = [agent.wait(timeout=timeout) for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+            agent.wait(timeout=30)
+    assert codes == [0] * len(agents), "\n".join(log.read_text() for log in logs)
+
+
+def status(endpoint: str, *args: str, run_id: str = "job") -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [RALLYPOINT, "rendezvous", "status", "--rdzv-backend", "etcd",
+         "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, *args],
+        env=clean_environment(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+# --- jobs ----------------------------------------------------------------------------------
+
+
+def test_two_agents_train_together_and_status_shows_them(
+    etcd_server: EtcdServer, tmp_path: Path
+) -> None:
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    script = (worker("steps.py"), "4", str(tmp_path))
+    agents = [start_agent(etcd_server.endpoint, "2", *script, log=log) for log in logs]
+    try:
+        wait_for_text(logs[0], "world=4 sum=4")
+        report = status(etcd_server.endpoint, "--rdzv-conf", "heartbeat_timeout=3", "--json")
+        other = status(etcd_server.endpoint, run_id="other-job")
+    finally:
+        finish(agents, logs)
+    assert report.returncode == 0, report.stderr
+    shown = json.loads(report.stdout)
+    assert shown["round"] == 0 and not shown["forming"]
+    assert [m["group_rank"] for m in shown["members"]] == [0, 1]
+    assert all(m["alive"] and m["nproc"] == 2 for m in shown["members"])
+    assert shown["waiting"] == 0
+    assert other.returncode == 0, other.stderr
+    assert other.stdout.strip() == "run other-job: no rendezvous in this store"
+    output = "".join(log.read_text() for log in logs)
+    for rank in range(4):
+        assert f"done rank={rank} world=4" in output
+
+
+def test_a_killed_agent_lease_expires_and_the_survivor_trains_alone(
+    etcd_server: EtcdServer, tmp_path: Path
+) -> None:
+    survivor_log, victim_log = tmp_path / "survivor.log", tmp_path / "victim.log"
+    script = (worker("steps.py"), "3", str(tmp_path))
+    survivor = start_agent(etcd_server.endpoint, "1:2", *script, log=survivor_log)
+    victim = start_agent(etcd_server.endpoint, "1:2", *script, log=victim_log)
+    try:
+        wait_for_text(survivor_log, "world=4 sum=4")
+        killed_at = time.time()
+        victim.kill()  # SIGKILL: nothing revokes its lease, etcd expires it
+        victim.wait(timeout=30)
+        assert survivor.wait(timeout=90) == 0, survivor_log.read_text()
+    finally:
+        survivor.kill()
+        victim.kill()
+    text = survivor_log.read_text()
+    assert "world=2 sum=2" in text, text
+    rounds = events(survivor_log, "rendezvous_completed")
+    assert [r["group_world_size"] for r in rounds] == [2, 1], rounds
+    # lease_ttl=3: the new round within lease_ttl + 2 s of the kill.
+    assert rounds[1]["wall_time"] - killed_at < 3 + 2, rounds[1]["wall_time"] - killed_at
+    leftovers = subprocess.run(
+        ["pgrep", "-f", f"steps.py 3 {tmp_path}"], capture_output=True, text=True, timeout=10
+    )
+    assert leftovers.stdout.strip() == "", "orphan workers"
+
+
+def test_a_third_node_joins_a_running_job(etcd_server: EtcdServer, tmp_path: Path) -> None:
+    logs = [tmp_path / f"node{i}.log" for i in range(3)]
+    script = (worker("steps.py"), "3", str(tmp_path))
+    agents = [
+        start_agent(etcd_server.endpoint, "1:3", *script, log=log, nproc=1) for log in logs[:2]
+    ]
+    try:
+        wait_for_text(logs[0], "world=2 sum=2")
+        agents.append(start_agent(etcd_server.endpoint, "1:3", *script, log=logs[2], nproc=1))
+        wait_for_text(logs[2], "world=3 sum=3")
+    finally:
+        finish(agents, logs)
+    for log in logs:
+        assert "world=3 sum=3" in log.read_text()
+    assert "restart 1 of" not in logs[0].read_text()  # a membership change is no restart
+
+
+def test_the_job_rides_out_an_etcd_restart(restartable_etcd: Restartable, tmp_path: Path) -> None:
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    script = (worker("steps.py"), "4", str(tmp_path))
+    agents = [
+        start_agent(restartable_etcd.endpoint, "2", *script, log=log, nproc=1) for log in logs
+    ]
+    try:
+        wait_for_text(logs[0], "world=2 sum=2")
+        restartable_etcd.kill()
+        restartable_etcd.start()  # same data dir and ports
+    finally:
+        finish(agents, logs)
+    for log in logs:
+        assert len(events(log, "rendezvous_completed")) == 1, log.read_text()  # undisturbed
+        assert "done rank=" in log.read_text()
+
+
+def test_the_job_fails_over_when_a_cluster_member_dies(
+    etcd_cluster: list[EtcdServer], tmp_path: Path
+) -> None:
+    endpoints = ",".join(member.endpoint for member in etcd_cluster)
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    script = (worker("steps.py"), "4", str(tmp_path))
+    agents = [start_agent(endpoints, "2", *script, log=log, nproc=1) for log in logs]
+    try:
+        wait_for_text(logs[0], "world=2 sum=2")
+        etcd_cluster[0].stop()  # the member both agents talk to (the first that answered)
+    finally:
+        finish(agents, logs)
+    for log in logs:
+        assert len(events(log, "rendezvous_completed")) == 1, log.read_text()
+        assert "done rank=" in log.read_text()
+
+
+# --- errors on the command line -------------------------------------------------------------
+
+
+def run_fails(endpoint: str, conf: str, tmp_path: Path) -> str:
+    result = subprocess.run(
+        [RALLYPOINT, "run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "etcd",
+         "--rdzv-endpoint", endpoint, "--rdzv-id", "job", "--rdzv-conf", conf,
+         worker("allreduce.py"), "1"],
+        env=clean_environment(), capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert "Traceback" not in output, output
+    errors = [line for line in output.splitlines() if line.startswith("rallypoint: error: ")]
+    assert len(errors) == 1, output
+    return errors[0]
+
+
+def test_an_unreachable_endpoint_is_named_after_the_connect_timeout(tmp_path: Path) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    began = time.monotonic()
+    error = run_fails(endpoint, "connect_timeout=1", tmp_path)
+    assert f"cannot reach etcd at {endpoint} within connect_timeout=1 s" in error
+    assert time.monotonic() - began < 30
+
+
+def test_a_wrong_password_is_refused_clearly(auth_etcd: EtcdServer, tmp_path: Path) -> None:
+    error = run_fails(auth_etcd.endpoint, f"user={USER},password=wrong", tmp_path)
+    assert f"etcd at {auth_etcd.endpoint} refused user 'root': wrong user name or password" in error
+    assert "wrong" not in error.split("password")[-1]  # the secret is never printed
+    missing = run_fails(auth_etcd.endpoint, "connect_timeout=5", tmp_path)
+    assert "requires authentication: give --rdzv-conf user=NAME,password=SECRET" in missing
+
+
+def test_the_right_password_is_accepted(auth_etcd: EtcdServer) -> None:
+    result = status(auth_etcd.endpoint, "--rdzv-conf", f"user={USER},password={PASSWORD}")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == "run job: no rendezvous in this store"
+
+
+def test_a_tls_failure_is_named(
+    tls_etcd: TlsEtcd, certificates: Certificates, tmp_path: Path
+) -> None:
+    client = f"cert={certificates.client_cert},key={certificates.client_key}"
+    wrong_ca = run_fails(
+        tls_etcd.tls_endpoint, f"ca_cert={certificates.other_ca},{client}", tmp_path
+    )
+    assert f"TLS with etcd at {tls_etcd.tls_endpoint} failed (CERTIFICATE_VERIFY_FAILED" in wrong_ca
+    assert "check --rdzv-conf ca_cert" in wrong_ca
+    no_client_cert = run_fails(tls_etcd.tls_endpoint, f"ca_cert={certificates.ca}", tmp_path)
+    assert f"TLS with etcd at {tls_etcd.tls_endpoint} failed" in no_client_cert
+    plaintext = run_fails(tls_etcd.tls_endpoint, "connect_timeout=1", tmp_path)
+    assert "(if etcd serves TLS, give ca_cert)" in plaintext
+
+
+def test_tls_with_client_certificates_works(tls_etcd: TlsEtcd, certificates: Certificates) -> None:
+    conf = (
+        f"ca_cert={certificates.ca},cert={certificates.client_cert},key={certificates.client_key}"
+    )
+    result = status(f"https://{tls_etcd.tls_endpoint}", "--rdzv-conf", conf)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == "run job: no rendezvous in this store"
