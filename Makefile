@@ -71,6 +71,7 @@ bench: install
 	$(PY) benchmarks/bench_launcher.py
 	$(PY) benchmarks/bench_rendezvous.py
 	$(PY) benchmarks/bench_recovery.py
+	$(PY) benchmarks/bench_checkpoint.py
 
 clean:
 	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache $(DEMO_DIR)
