@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 PLUGINS := plugins/rendezvous_etcd plugins/rendezvous_redis plugins/metrics_prometheus examples/fsspec_store
 STAMP := $(VENV)/.installed
 # Debian packages of the servers the tests start: binary:package.
-SERVERS := etcd:etcd-server redis-server:redis-server prometheus:prometheus
+SERVERS := etcd:etcd-server redis-server:redis-server prometheus:prometheus prometheus-pushgateway:prometheus-pushgateway openssl:openssl
 
 .PHONY: install servers lint docs test demo bench clean
 
@@ -72,6 +72,7 @@ bench: install
 	$(PY) benchmarks/bench_rendezvous.py
 	$(PY) benchmarks/bench_recovery.py
 	$(PY) benchmarks/bench_checkpoint.py
+	$(PY) benchmarks/bench_metrics.py
 
 clean:
 	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache $(DEMO_DIR)

@@ -162,3 +162,16 @@ def test_script_checks(script: str, tmp_path: Path) -> None:
 def test_module_and_no_python_exclude_each_other() -> None:
     with pytest.raises(UsageError, match="cannot be used together"):
         config(training_script="pkg.train", module=True, no_python=True)
+
+
+def test_metrics_port_is_the_endpoint_sinks_port(script: str) -> None:
+    cfg = config(training_script=script, metrics="prometheus", metrics_port="0")
+    assert cfg.metrics_conf["port"] == 0
+    cfg = config(
+        training_script=script, metrics="jsonl,prometheus", metrics_conf="port=1", metrics_port="9"
+    )
+    assert cfg.metrics_conf["port"] == 9  # the flag wins over the same key in --metrics-conf
+    with pytest.raises(UsageError, match="none of the chosen --metrics sinks serves an endpoint"):
+        config(training_script=script, metrics="log", metrics_port="9400")
+    with pytest.raises(UsageError, match="--metrics-port 70000: must be between 0 and 65535"):
+        config(training_script=script, metrics="prometheus", metrics_port="70000")

@@ -124,6 +124,11 @@ def register(app: typer.Typer, pm: PluginManager) -> None:
         ),
         metrics: str = flag("metrics", "", f"Metrics sinks, comma-separated: {sinks}."),
         metrics_conf: str = flag("metrics-conf", "", "Metrics sink settings as key=value,..."),
+        metrics_port: str | None = flag(
+            "metrics-port",
+            None,
+            "Port of the metrics endpoint (0: a free one); --metrics-conf port=N.",
+        ),
         checkpoint_dir: str | None = flag(
             "checkpoint-dir", None, "Where workers save checkpoints: a path or URL."
         ),

@@ -148,8 +148,17 @@ class LaunchConfig:
         ]
         values["metrics"] = tuple(dict.fromkeys(sink.name for sink in sinks))
         sink_options = {option.name: option for sink in sinks for option in sink.options}
+        metrics_conf = values.get("metrics_conf") or ""
+        metrics_port = values.pop("metrics_port", None)
+        if metrics_port is not None:  # --metrics-port N is --metrics-conf port=N
+            if "port" not in sink_options:
+                raise UsageError(
+                    f"--metrics-port {metrics_port}: none of the chosen --metrics sinks serves "
+                    "an endpoint; add one that does (--metrics prometheus)."
+                )
+            metrics_conf = f"{metrics_conf},port={metrics_port}".lstrip(",")
         values["metrics_conf"] = parse_options(
-            values.get("metrics_conf") or "",
+            metrics_conf,
             tuple(sink_options.values()),
             "--metrics-conf",
             "the chosen --metrics sinks",
@@ -329,6 +338,7 @@ _NUMBERS: tuple[tuple[str, str, type, float, bool], ...] = (
     ("max_restarts", "--max-restarts", int, 0, False),
     ("node_rank", "--node-rank", int, 0, False),
     ("master_port", "--master-port", int, 0, False),
+    ("metrics_port", "--metrics-port", int, 0, False),
     ("monitor_interval", "--monitor-interval", float, 0, True),
     ("shutdown_timeout", "--shutdown-timeout", float, 0, False),
     ("exit_barrier_timeout", "--exit-barrier-timeout", float, 0, False),
@@ -350,9 +360,11 @@ def _parse_numbers(values: dict[str, Any]) -> None:
             bound = f"above {low:g}" if exclusive else f"at least {low:g}"
             raise UsageError(f"{flag} {raw!r}: must be {bound}.")
         values[key] = number
-    port = values.get("master_port")
-    if port is not None and port > 65535:
-        raise UsageError(f"--master-port {port}: must be between 0 and 65535.")
+    for key in ("master_port", "metrics_port"):
+        port = values.get(key)
+        if port is not None and port > 65535:
+            flag = "--" + key.replace("_", "-")
+            raise UsageError(f"{flag} {port}: must be between 0 and 65535.")
     if values.get("start_method", "spawn") not in ("spawn", "fork", "forkserver"):
         raise UsageError(
             f"--start-method {values['start_method']!r}: choose one of spawn, fork, forkserver."

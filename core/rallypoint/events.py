@@ -21,6 +21,9 @@ WORKERS_STARTED = "workers_started"
 WORKER_FAILED = "worker_failed"
 WORKERS_RESTARTED = "workers_restarted"
 SCALE_CHANGED = "scale_changed"
+#: While workers run, the number of nodes waiting to join the next round changed:
+#: ``nodes_waiting``. Never sent on a one-node job; a completed round means none wait.
+NODES_WAITING = "nodes_waiting"
 AGENT_STOPPING = "agent_stopping"
 #: Sent by workers (``rallypoint.checkpoint``) through their agent: ``step``, ``seconds``,
 #: ``bytes``, ``rank``; saves add ``blocked_seconds`` and ``asynchronous``, loads ``skipped``.

@@ -323,10 +323,16 @@ class SinkContext:
     Attributes:
         run: the run being measured.
         options: the sink's ``--metrics-conf`` values, every declared key present.
+        worker_metrics_dir: for a sink registered with ``worker_metrics=True``, the
+            directory where this node's workers record their ``rallypoint.metrics``
+            (``RALLYPOINT_METRICS_DIR``); ``None`` for other sinks. The agent creates it
+            empty before the first worker starts and removes it when it stops; the sink
+            reads it, and clears what dead workers left that must not outlive them.
     """
 
     run: RunInfo
     options: Mapping[str, Any] = field(default_factory=dict)
+    worker_metrics_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -338,12 +344,18 @@ class MetricsSink:
         description: one line for humans.
         create: builds the sink for one run.
         options: the ``--metrics-conf`` keys it accepts.
+        worker_metrics: the sink also exports the metrics workers record with
+            ``rallypoint.metrics``. When a chosen sink sets it, the agent gives the workers
+            a metrics directory (``RALLYPOINT_METRICS_DIR``, files in prometheus_client's
+            multiprocess format) and the sink its path in ``SinkContext.worker_metrics_dir``.
+            Without such a sink, ``rallypoint.metrics`` calls in workers do nothing.
     """
 
     name: str
     description: str
     create: Callable[[SinkContext], EventSink]
     options: tuple[ConfigOption, ...] = ()
+    worker_metrics: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", normalise_name(self.name))

@@ -75,6 +75,8 @@ class Agent:
             NodeSpec(self.node_id, host=config.local_addr or hostname, labels=config.node_labels),
         )
         self.run_dir, self._temporary_run_dir = _run_directory(config)
+        self.metrics_dir: Path | None = None  # set by _create_sinks when a sink wants it
+        self._nodes_waiting = 0
         self.bus = EventBus(self.run, pm, self._create_sinks(), config.event_log)
         # Workers report checkpoint saves and loads here; they reach the bus like ours.
         self._worker_events = Receiver(lambda name, data: self.bus.emit(name, **data))
@@ -89,7 +91,16 @@ class Agent:
             sink = self.pm.registry.get(METRICS_SINKS, name)
             declared = {option.name for option in sink.options}
             options = {k: v for k, v in self.config.metrics_conf.items() if k in declared}
-            sinks.append(sink.create(SinkContext(self.run, options)))
+            directory = None
+            if sink.worker_metrics:
+                # One directory for every sink that reads worker metrics; workers only
+                # record metrics (rallypoint.metrics) when there is one.
+                if self.metrics_dir is None:
+                    self.metrics_dir = self.run_dir / "metrics"
+                    shutil.rmtree(self.metrics_dir, ignore_errors=True)
+                    self.metrics_dir.mkdir(parents=True)
+                directory = str(self.metrics_dir)
+            sinks.append(sink.create(SinkContext(self.run, options, directory)))
         return sinks
 
     # --- the run ------------------------------------------------------------------------
@@ -105,6 +116,8 @@ class Agent:
             self.handler.close()
             self._worker_events.close()
             self.bus.close()
+            if self.metrics_dir is not None:
+                shutil.rmtree(self.metrics_dir, ignore_errors=True)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self._wake_read.close()
@@ -115,7 +128,12 @@ class Agent:
 
     def _loop(self) -> tuple[int, str]:
         config = self.config
-        self.bus.emit(events.AGENT_STARTED, nproc_per_node=config.nproc_per_node)
+        self.bus.emit(
+            events.AGENT_STARTED,
+            nproc_per_node=config.nproc_per_node,
+            min_nodes=config.min_nodes,
+            max_nodes=config.max_nodes,
+        )
         restarts = 0  # failures recovered from; membership changes do not count
         attempt = 0  # every start of the workers, whatever the cause
         uptimes: list[float] = []
@@ -127,6 +145,7 @@ class Agent:
             info = assignment.info
             took = time.monotonic() - began
             self.bus.emit(events.RENDEZVOUS_COMPLETED, **asdict(info), duration_seconds=took)
+            self._nodes_waiting = 0  # they are in this round
             if info.group_world_size > 1:
                 logger.info(
                     "round %d: %d nodes, world size %d, this node is group rank %d (%.2f s)",
@@ -229,6 +248,7 @@ class Agent:
                 node_id=self.node_id,
                 restart_count=restarts,
                 events_socket=self._worker_events.address,
+                metrics_dir=None if self.metrics_dir is None else str(self.metrics_dir),
             )
             for spec in specs
         ]
@@ -257,7 +277,11 @@ class Agent:
                 return Outcome.FAILED
             if not group.running():
                 return Outcome.SUCCEEDED
-            if self.handler.nodes_waiting() > 0:
+            waiting = self.handler.nodes_waiting()
+            if waiting != self._nodes_waiting:
+                self._nodes_waiting = waiting
+                self.bus.emit(events.NODES_WAITING, nodes_waiting=waiting)
+            if waiting > 0:
                 return Outcome.MEMBERSHIP_CHANGED
             group.wait(self.config.monitor_interval, self._wake_read.fileno())
             self._drain_wakeups()

@@ -34,6 +34,7 @@ def worker_environment(
     node_id: str,
     restart_count: int,
     events_socket: str | None = None,
+    metrics_dir: str | None = None,
     base: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The full environment of ``worker`` for this round and attempt."""
@@ -71,6 +72,8 @@ def worker_environment(
         env["RALLYPOINT_CHECKPOINT_URL"] = config.checkpoint_dir
     if events_socket:
         env["RALLYPOINT_EVENTS_SOCKET"] = events_socket  # see rallypoint.worker_channel
+    if metrics_dir:
+        env["RALLYPOINT_METRICS_DIR"] = metrics_dir  # see rallypoint.metrics
     return env
 
 

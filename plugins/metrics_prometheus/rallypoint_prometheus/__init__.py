@@ -1,7 +1,8 @@
 """rallypoint-prometheus: the ``prometheus`` metrics sink.
 
-The sink serves ``/metrics`` over HTTP from the agent. ``prometheus_client`` is imported
-only when a run chooses the sink, so an installed plugin costs the CLI nothing.
+The agent serves its own metrics and its workers' (``rallypoint.metrics``) on an HTTP
+``/metrics`` endpoint, and optionally pushes them to a Pushgateway. ``prometheus_client``
+is imported only when a run chooses the sink, so an installed plugin costs the CLI nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +15,11 @@ __version__ = "0.1.0"
 OPTIONS: tuple[ConfigOption, ...] = (
     ConfigOption("port", int, 0, "port of the /metrics endpoint; 0 picks a free one and logs it"),
     ConfigOption("addr", str, "0.0.0.0", "address the /metrics endpoint binds to"),
+    ConfigOption(
+        "pushgateway", str, "", "also push to this Pushgateway (host:port or URL); off if empty"
+    ),
+    ConfigOption("push_interval", float, 15.0, "seconds between pushes (and one at the end)"),
+    ConfigOption("push_job", str, "rallypoint", "the job label of pushed metrics"),
 )
 
 
@@ -28,8 +34,10 @@ def register_metrics_sinks() -> list[MetricsSink]:
     return [
         MetricsSink(
             "prometheus",
-            "rendezvous, restart, failure and world-size metrics on an HTTP /metrics endpoint",
+            "agent and worker metrics on an HTTP /metrics endpoint, optionally pushed to a "
+            "Pushgateway",
             _create,
             options=OPTIONS,
+            worker_metrics=True,
         )
     ]
