@@ -196,3 +196,27 @@ def test_a_killed_worker_resumes_and_ends_with_the_same_weights(
     for name in ours:
         assert torch.equal(ours[name], reference[name]), name  # bit for bit
     assert os.listdir(tmp_path / "interrupted")  # the checkpoints are still there
+
+
+def test_sharded_checkpoints_are_verified_like_the_others(tmp_path: Path) -> None:
+    root = tmp_path / "sharded"
+
+    def run(*args: str) -> str:
+        result = rallypoint(
+            "run", "--standalone", "--nproc-per-node", "2", "--checkpoint-dir", str(root),
+            worker("sharded.py"), *args,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    run("save", "1", "10")
+    run("save", "2", "20")
+    manifest = json.loads((root / mf.directory(2) / "manifest.json").read_text())
+    assert manifest["format"] == "dcp"
+    assert any(name.startswith("shards/") for name in manifest["files"])
+    out = run("load")
+    assert "rank=0 step=2 value=20" in out and "rank=1 step=2 value=21" in out
+    shard = next(p for p in (root / mf.directory(2) / "shards").iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:-1])  # truncated: step 2 is skipped
+    out = run("load")
+    assert "rank=0 step=1 value=10" in out and "rank=1 step=1 value=11" in out
