@@ -49,6 +49,7 @@ class TCPStoreClient(CounterLiveness):
                 os.environ["TORCH_CPP_LOG_LEVEL"] = saved
 
         self.host, self.port, self.timeout = host, port, timeout
+        self._seen_keys: set[str] = set()  # keys a wait of this client saw exist
         self._dist = dist
         hosting = _is_local(host) if is_host is None else is_host
         self.hosting = False
@@ -97,14 +98,17 @@ class TCPStoreClient(CounterLiveness):
         return int(self._call("add", key, amount))
 
     def get(self, key: str) -> bytes | None:
-        if not self._call("check", [key]):
+        # TCPStore's get blocks until the key exists: check first, unless a wait of this
+        # client already saw it (the protocol never deletes keys).
+        if key not in self._seen_keys and not self._call("check", [key]):
             return None
         return bytes(self._call("get", key))
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         if not keys:
             return []
-        if self._call("check", list(keys)):  # all there: one request for every value
+        known = all(key in self._seen_keys for key in keys)
+        if known or self._call("check", list(keys)):  # all there: one request for every value
             return [bytes(value) for value in self._call("multi_get", list(keys))]
         return [self.get(key) for key in keys]
 
@@ -124,6 +128,7 @@ class TCPStoreClient(CounterLiveness):
             if isinstance(error, self._dist.DistStoreError) and "timeout" in str(error).lower():
                 return False
             raise self._failed(error) from None
+        self._seen_keys.update(keys)
         return True
 
     def clone(self) -> TCPStoreClient:
@@ -135,6 +140,7 @@ class TCPStoreClient(CounterLiveness):
             self._dist,
         )
         clone.hosting = False
+        clone._seen_keys = set()
         clone._store = self._store.clone()
         self._share_liveness(clone)
         return clone
