@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import sys
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from launch import InstallPlugin
 from rallypoint.plugins import PluginManager, build_plugin_manager, get_plugin_manager
 from servers import (  # noqa: F401 - pytest finds fixtures by name
     etcd_server,
@@ -19,8 +20,6 @@ from servers import (  # noqa: F401 - pytest finds fixtures by name
     redis_server,
     redis_server_session,
 )
-
-InstallPlugin = Callable[..., Path]
 
 
 @pytest.fixture(autouse=True)

@@ -5,7 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+
+#: The `install_plugin` fixture (tests/conftest.py): install a plugin for one test.
+InstallPlugin = Callable[..., Path]
 
 BIN = Path(sys.executable).parent
 RALLYPOINT = str(BIN / "rallypoint")

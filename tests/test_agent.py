@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import InstallPlugin
-from launch import RALLYPOINT, clean_environment, rallypoint, torchrun, worker
+from launch import RALLYPOINT, InstallPlugin, clean_environment, rallypoint, torchrun, worker
 from rallypoint.agent.failures import exception_line
 from servers import process_alive as alive
 from servers import wait_until

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import InstallPlugin
-from launch import rallypoint
+from launch import InstallPlugin, rallypoint
 from rallypoint import __version__
 
 REPO = Path(__file__).resolve().parents[1]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import InstallPlugin
+from launch import InstallPlugin
 from rallypoint.errors import PluginConflictError, UnknownNameError
 from rallypoint.plugins import (
     ACTIVE,

@@ -11,8 +11,8 @@ import threading
 from pathlib import Path
 
 import pytest
+from prometheus_fixtures import fetch
 
-from conftest import fetch
 from launch import RALLYPOINT, clean_environment, rallypoint, worker
 from servers import PrometheusServer, require_binary, start_prometheus, wait_until
 

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_fixtures import fetch
 
-from conftest import fetch
 from rallypoint_prometheus.sink import PrometheusSink
 from servers import PrometheusServer, require_binary
 

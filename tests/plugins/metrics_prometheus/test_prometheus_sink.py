@@ -7,7 +7,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from conftest import (
+from prometheus_fixtures import (
     LABELS,
     RUN,
     Pushgateway,
@@ -17,6 +17,7 @@ from conftest import (
     fetch,
     start_worker,
 )
+
 from rallypoint import events
 from rallypoint.events import Event
 from rallypoint_prometheus.sink import PrometheusSink

@@ -8,8 +8,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from prometheus_fixtures import end_worker, start_worker
 
-from conftest import end_worker, start_worker
 from rallypoint import metrics
 
 
