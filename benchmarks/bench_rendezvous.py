@@ -1,29 +1,37 @@
-"""Time to form one rendezvous round: rallypoint's protocol against torch's c10d rendezvous.
+"""Time to form one rendezvous round: rallypoint's protocol over each rendezvous backend's
+store, side by side with torch's c10d rendezvous.
 
-    .venv/bin/python benchmarks/bench_rendezvous.py [--nodes 8,64,256,1024] [--repeat 3]
-        [--torch-timeout 120] [--rallypoint-timeout 600]
+    .venv/bin/python benchmarks/bench_rendezvous.py [--backends c10d,etcd,redis,torch]
+        [--nodes 8,64,256,1024] [--repeat 3] [--torch-timeout 120] [--rallypoint-timeout 600]
 
-N simulated nodes run as N threads of one process, each with its own TCPStore connection
-to one TCPStore server this process hosts (a fresh one, on a fresh port, per measurement,
-so clients left over from a run that timed out cannot disturb the next). Every thread
-builds its client and its rendezvous handler, waits on a barrier, and then joins the round:
+N simulated nodes run as N threads of one process, each with its own store client. Every
+thread builds its client and its rendezvous handler, waits on a barrier, and then joins the
+round:
 
-* rallypoint: ``StoreRendezvous.next_round()`` over ``TCPStoreClient`` (``--rdzv-backend
-  c10d``), min = max = N nodes;
-* torch: ``DynamicRendezvousHandler.next_rendezvous()`` with the ``c10d`` backend, as
-  torchrun's agent calls it, min = max = N nodes, ``last_call_timeout=1``.
+* ``c10d``, ``etcd``, ``redis``: ``StoreRendezvous.next_round()``, rallypoint's protocol,
+  over the store that the backend plugin's registered ``connect`` returns (looked up by name
+  in the plugin registry, as ``--rdzv-backend NAME`` does), min = max = N nodes. The c10d
+  store is a TCPStore server this process hosts, a fresh one on a fresh port per
+  measurement (clients left over from a run that timed out cannot disturb the next); etcd
+  and Redis are real servers (``tests/servers.py``) started once for the whole run, each
+  measurement under its own run id;
+* ``torch``: ``DynamicRendezvousHandler.next_rendezvous()`` with torch's ``c10d`` backend,
+  as torchrun's agent calls it, min = max = N nodes, ``last_call_timeout=1``.
 
 The time runs from the barrier's release until the last thread's call returned. Each run
 is checked: every node got a distinct group rank in ``0..N-1`` and (rallypoint) the same
-member list. torch runs up to the N where a run exceeds ``--torch-timeout`` (its
-``join_timeout`` too); larger N are recorded as not run.
+member list. An implementation runs up to the N where a run fails or exceeds its cap
+(``--torch-timeout``, which is also torch's ``join_timeout``, or ``--rallypoint-timeout``);
+larger N are recorded as not run.
 
 All nodes share one process and so one GIL: per-node Python work (decoding the round's
 record, for instance) is serialised here, where real nodes would do it in parallel. The
-numbers are therefore an upper bound for both implementations.
+numbers are therefore an upper bound for every implementation.
 
 Results go to ``benchmarks/results/rendezvous.json`` and ``docs/benchmarks-rendezvous.md``
-with a chart in ``docs/img/bench_rdzv_round_time.png``.
+with a chart in ``docs/img/bench_rdzv_round_time.png``; ``--render-only`` rewrites the page
+and chart from the JSON (also from results written before ``--backends`` existed, whose
+``rallypoint`` column is the c10d backend).
 """
 
 from __future__ import annotations
@@ -41,19 +49,27 @@ import itertools
 import json
 import math
 import platform
+import re
 import resource
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rallypoint.extensions import RendezvousBackend
+    from rallypoint.rendezvous.store import CoordinationStore
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "rendezvous.json"
@@ -61,12 +77,53 @@ REPORT = ROOT / "docs" / "benchmarks-rendezvous.md"
 IMAGES = ROOT / "docs" / "img"
 CHART = IMAGES / "bench_rdzv_round_time.png"
 HOST = "127.0.0.1"
-IMPLEMENTATIONS = ("rallypoint", "torch")
-TARGET_NODES = 1024
-TARGET_SECONDS = 2.0
+#: Everything --backends can name, in the order of the page's columns and the chart's legend.
+IMPLEMENTATIONS = ("c10d", "etcd", "redis", "torch")
+#: The ones that run rallypoint's protocol over a backend plugin's store; torch is torch's own.
+STORE_BACKENDS = ("c10d", "etcd", "redis")
+LABELS = {
+    "c10d": "rallypoint on c10d",
+    "etcd": "rallypoint on etcd",
+    "redis": "rallypoint on Redis",
+    "torch": "torch c10d",
+}
+#: Results written before --backends existed name rallypoint on the c10d store "rallypoint".
+OLD_NAMES = {"rallypoint": "c10d"}
 SETUP_TIMEOUT = 300.0  # seconds for all N threads to connect and reach the barrier
-STORE_TIMEOUT = 300.0  # TCPStore read timeout of every client
+STORE_TIMEOUT = 300.0  # TCPStore read timeout of every c10d client
 LEFTOVER_GRACE = 60.0  # seconds to wait for the threads of a run that timed out
+
+
+@dataclass(frozen=True)
+class Target:
+    """What an implementation should reach: ``seconds`` for ``TARGET_NODES`` nodes, and
+    (``linear``) growth no worse than linear between successive N."""
+
+    seconds: float
+    issue: int
+    linear: bool = False
+
+
+TARGET_NODES = 1024
+TARGETS = {
+    "c10d": Target(2.0, issue=4, linear=True),
+    "etcd": Target(3.0, issue=6),
+    "redis": Target(2.0, issue=7),
+}
+
+#: ``--rdzv-conf`` of every rallypoint run, parsed against the backend's declared options
+#: (the rest keep their defaults): generous timeouts, so that no simulated node is given up
+#: on or declared dead while 2N threads share one GIL.
+PROTOCOL_CONF = "join_timeout=600,last_call_timeout=30,close_timeout=60,heartbeat_timeout=600"
+BACKEND_CONF = {
+    # The harness hosts the store; every node is a client of it.
+    "c10d": f"is_host=false,read_timeout={STORE_TIMEOUT:g}",
+    # Liveness outlives heartbeat_timeout / 3 (what both plugins check); connect_timeout
+    # also sets etcd's request timeout (2x), which one request can need at 1024 simulated
+    # nodes in one process.
+    "etcd": "lease_ttl=600,connect_timeout=60",
+    "redis": "key_ttl=600,connect_timeout=60",
+}
 
 
 @dataclass
@@ -175,65 +232,103 @@ def wait_for_leftovers(state: Threads) -> int:
     return sum(thread.is_alive() for thread in state.threads)
 
 
-# --- rallypoint ---------------------------------------------------------------------------
+# --- rallypoint on a backend's store --------------------------------------------------------
 
 
-def measure_rallypoint(n: int, cap: float) -> Sample:
+class CountingStore:
+    """Any backend's ``CoordinationStore``, counting calls of its operations in ``counts``.
+
+    A proxy rather than a subclass, so every backend's client is counted the same way: one
+    count per operation the protocol asks of the store (``get_many`` of N keys is one), not
+    per wire request. ``clone`` is the store's own, so the heartbeat thread's connection is
+    not counted.
+    """
+
+    OPERATIONS = frozenset(
+        {"add", "get", "get_many", "set", "compare_set", "wait", "keep_alive", "alive"}
+    )
+
+    def __init__(
+        self, store: CoordinationStore, counts: Counter[str], lock: threading.Lock
+    ) -> None:
+        self._store = store
+        self._counts = counts
+        self._lock = lock
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._store, name)
+        if name not in self.OPERATIONS:
+            return attribute
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                self._counts[name] += 1
+            return attribute(*args, **kwargs)
+
+        return counted
+
+
+def store_backend(name: str) -> RendezvousBackend:
+    """The backend that ``--rdzv-backend NAME`` would choose, from the plugin registry."""
+    from rallypoint.plugins import get_plugin_manager
+    from rallypoint.registry import RENDEZVOUS_BACKENDS
+
+    backend = get_plugin_manager().registry.get(RENDEZVOUS_BACKENDS, name)
+    if backend.connect is None:
+        raise SystemExit(f"--backends {name}: the backend has no store to run the protocol on")
+    return backend
+
+
+def rdzv_conf(name: str) -> str:
+    return ",".join(part for part in (PROTOCOL_CONF, BACKEND_CONF.get(name, "")) if part)
+
+
+def rdzv_options(backend: RendezvousBackend) -> dict[str, Any]:
+    """The backend's declared options, defaults but for ``rdzv_conf``, as the CLI parses them."""
+    from rallypoint.config import parse_options
+
+    flag = f"--rdzv-backend {backend.name}"
+    return parse_options(rdzv_conf(backend.name), backend.options, "--rdzv-conf", flag)
+
+
+def measure_store(name: str, endpoint: str, n: int, cap: float) -> Sample:
+    """rallypoint's protocol over the store of backend ``name`` at ``endpoint``."""
     from rallypoint.builtins.rank_assigners import ordered
-    from rallypoint.extensions import NodeSpec, RankAssigner
+    from rallypoint.extensions import NodeSpec, RankAssigner, RendezvousRequest
     from rallypoint.rendezvous.protocol import Settings, StoreRendezvous
-    from rallypoint.rendezvous.tcpstore import TCPStoreClient
 
+    backend = store_backend(name)
+    connect = backend.connect
+    assert connect is not None
+    options = rdzv_options(backend)
+    run_id = f"bench-{uuid.uuid4().hex[:12]}"
+    settings = Settings.from_conf(n, n, options)  # prefix too: the backend's default
+    assigner = RankAssigner("ordered", "", ordered)
     requests: Counter[str] = Counter()
     lock = threading.Lock()
-
-    class CountingClient(TCPStoreClient):
-        """Counts the store requests of the round (heartbeat clones are not counted)."""
-
-        def _call(self, name: str, *args: Any) -> Any:
-            with lock:
-                requests[name] += 1
-            return super()._call(name, *args)
-
-        def wait(self, keys: Sequence[str], timeout: float) -> bool:
-            with lock:
-                requests["wait"] += 1
-            return super().wait(keys, timeout)
-
-    port = free_port()
-    host = TCPStoreClient(HOST, port, is_host=True, timeout=STORE_TIMEOUT)
-    run_id = f"bench-{uuid.uuid4().hex[:12]}"
-    settings = Settings(
-        min_nodes=n,
-        max_nodes=n,
-        join_timeout=600,
-        last_call_timeout=30,
-        close_timeout=60,
-        heartbeat_timeout=600,  # no node is ever declared dead during a measurement
-    )
-    assigner = RankAssigner("ordered", "", ordered)
     handlers: dict[int, StoreRendezvous] = {}
 
     def setup(i: int) -> Callable[[], Any]:
-        store = CountingClient(HOST, port, is_host=False, timeout=STORE_TIMEOUT)
-        handler = StoreRendezvous(
-            store, run_id, NodeSpec(f"node{i}", host=HOST), 1, assigner, settings
+        node = NodeSpec(f"node{i}", host=HOST)
+        request = RendezvousRequest(
+            run_id, endpoint, options, n, n, node=node, rank_assigner=assigner
         )
+        store = CountingStore(connect(request), requests, lock)
+        handler = StoreRendezvous(store, run_id, node, 1, assigner, settings)
         handlers[i] = handler
         return handler.next_round
 
-    with lock:
-        requests.clear()
     state, failure = run_nodes(n, setup, cap)
     sample = summarise(n, state, failure)
-    sample.store_requests = dict(requests)
+    with lock:
+        sample.store_requests = dict(requests)
     if sample.ok:
         check_rallypoint(n, state.results, sample)
-    for handler in handlers.values():
-        handler.close()
+    # Closing waits for each heartbeat thread's current store call: close them all at once.
+    with ThreadPoolExecutor(max_workers=64) as pool:
+        list(pool.map(lambda handler: handler.close(), handlers.values()))
     if sample.seconds is None:
         sample.leftover_threads = wait_for_leftovers(state)
-    host.close()
     return sample
 
 
@@ -257,6 +352,49 @@ def check_rallypoint(n: int, results: dict[int, Any], sample: Sample) -> None:
         sample.error = "; ".join(problems)
 
 
+class Servers:
+    """Where each backend's nodes connect: etcd and Redis started once for the whole run
+    (``tests/servers.py``, as the tests start them), a fresh c10d store per measurement."""
+
+    def __init__(self, names: Sequence[str], tmp_dir: str) -> None:
+        sys.path.insert(0, str(ROOT / "tests"))
+        import servers
+
+        self.running: dict[str, Any] = {}
+        try:
+            if "etcd" in names:
+                self.running["etcd"] = servers.start_etcd(tmp_dir)
+            if "redis" in names:
+                self.running["redis"] = servers.start_redis(tmp_dir)
+        except BaseException:
+            self.stop()
+            raise
+
+    @contextlib.contextmanager
+    def endpoint(self, name: str) -> Iterator[str]:
+        """The ``--rdzv-endpoint`` of one measurement of backend ``name``."""
+        if name == "c10d":
+            from rallypoint.rendezvous.tcpstore import TCPStoreClient
+
+            port = free_port()
+            host = TCPStoreClient(HOST, port, is_host=True, timeout=STORE_TIMEOUT)
+            try:
+                yield f"{HOST}:{port}"
+            finally:
+                host.close()
+        elif name == "etcd":
+            yield str(self.running["etcd"].endpoint)
+        elif name == "redis":
+            yield f"{HOST}:{self.running['redis'].port}"
+        else:
+            raise ValueError(f"no server for backend {name!r}")
+
+    def stop(self) -> None:
+        for server in self.running.values():
+            server.stop()
+        self.running.clear()
+
+
 # --- torch c10d ---------------------------------------------------------------------------
 
 
@@ -267,7 +405,9 @@ def measure_torch(n: int, cap: float) -> Sample:
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
     port = free_port()
-    server = dist.TCPStore(HOST, port, is_master=True, wait_for_workers=False, multi_tenant=True)
+    server = dist.TCPStore(  # type: ignore[attr-defined]
+        HOST, port, is_master=True, wait_for_workers=False, multi_tenant=True
+    )
     run_id = f"bench-{uuid.uuid4().hex[:12]}"
     handlers: dict[int, Any] = {}
 
@@ -361,25 +501,53 @@ def heartbeat_wakeup() -> float | None:
     return min(600 / 3, progress) if isinstance(progress, (int, float)) else 600 / 3
 
 
+def wake_slice() -> float | None:
+    """The longest one store wait of a heartbeat thread once its node is in a round."""
+    from rallypoint.rendezvous import protocol
+
+    value = getattr(protocol, "WAKE_SLICE", None)
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def server_versions(names: Sequence[str]) -> dict[str, str]:
+    """``etcd 3.4.23``, ``redis-server 7.0.15``: the servers the run talks to."""
+    versions = {}
+    for name, binary in (("etcd", "etcd"), ("redis", "redis-server")):
+        path = shutil.which(binary)
+        if name not in names or path is None:
+            continue
+        done = subprocess.run([path, "--version"], capture_output=True, text=True)
+        found = re.search(r"(?:Version: |v=)(\S+)", done.stdout)
+        versions[name] = f"{binary} {found.group(1) if found else 'unknown version'}"
+    return versions
+
+
 # --- the run ------------------------------------------------------------------------------
 
 
 def measure(
-    sizes: Sequence[int], repeat: int, rallypoint_cap: float, torch_cap: float
+    names: Sequence[str],
+    sizes: Sequence[int],
+    repeat: int,
+    rallypoint_cap: float,
+    torch_cap: float,
+    servers: Servers,
 ) -> dict[str, dict[str, Any]]:
-    measures = {
-        "rallypoint": (measure_rallypoint, rallypoint_cap),
-        "torch": (measure_torch, torch_cap),
-    }
-    gave_up: dict[str, int | None] = {name: None for name in IMPLEMENTATIONS}
-    table: dict[str, dict[str, Any]] = {name: {} for name in IMPLEMENTATIONS}
+    def once(name: str, n: int, cap: float) -> Sample:
+        if name == "torch":
+            return measure_torch(n, cap)
+        with servers.endpoint(name) as endpoint:
+            return measure_store(name, endpoint, n, cap)
+
+    gave_up: dict[str, int | None] = {name: None for name in names}
+    table: dict[str, dict[str, Any]] = {name: {} for name in names}
     for n in sizes:
-        for name in IMPLEMENTATIONS:
-            function, cap = measures[name]
+        for name in names:
+            cap = torch_cap if name == "torch" else rallypoint_cap
             if gave_up[name] is not None:
                 table[name][str(n)] = {
                     "status": "not run",
-                    "reason": f"timed out at {gave_up[name]} nodes",
+                    "reason": f"failed or timed out at {gave_up[name]} nodes",
                     "samples": [],
                 }
                 continue
@@ -387,11 +555,11 @@ def measure(
             for index in range(repeat):
                 gc.collect()
                 time.sleep(0.5)
-                sample = function(n, cap)
+                sample = once(name, n, cap)
                 samples.append(sample)
                 shown = f"{sample.seconds:.3f} s" if sample.seconds is not None else "timed out"
                 extra = f" ({sample.error})" if sample.error else ""
-                print(f"{name:10} N={n:5} run {index + 1}/{repeat}: {shown}{extra}", flush=True)
+                print(f"{name:6} N={n:5} run {index + 1}/{repeat}: {shown}{extra}", flush=True)
                 if not sample.ok:
                     break  # a failed or stuck run is not retried at this size
             table[name][str(n)] = entry(samples, cap)
@@ -404,8 +572,8 @@ def entry(samples: list[Sample], cap: float) -> dict[str, Any]:
     record: dict[str, Any] = {"samples": [asdict(s) for s in samples], "cap_seconds": cap}
     if all(s.ok for s in samples):
         record["status"] = "ok"
-        record["median_seconds"] = statistics.median(s.seconds for s in samples)  # type: ignore[type-var]
-        record["median_first_done"] = statistics.median(s.first_done for s in samples)  # type: ignore[type-var]
+        record["median_seconds"] = statistics.median(s.seconds or 0.0 for s in samples)
+        record["median_first_done"] = statistics.median(s.first_done or 0.0 for s in samples)
     elif any(s.seconds is None for s in samples):
         record["status"] = "timed out"
     else:
@@ -413,35 +581,60 @@ def entry(samples: list[Sample], cap: float) -> dict[str, Any]:
     return record
 
 
-def verdict(table: dict[str, Any], sizes: Sequence[int]) -> dict[str, Any]:
-    """Did rallypoint form a 1024-node round in under 2 s, growing no worse than linearly?"""
+def verdict(table: dict[str, Any], sizes: Sequence[int], target: Target) -> dict[str, Any]:
+    """Did the implementation form a round of ``TARGET_NODES`` within ``target``?"""
     points = [
-        (n, table[str(n)]["median_seconds"]) for n in sizes if table[str(n)]["status"] == "ok"
+        (n, table[str(n)]["median_seconds"])
+        for n in sizes
+        if table.get(str(n), {}).get("status") == "ok"
     ]
     slopes = [
-        {
-            "from": a,
-            "to": b,
-            "slope": math.log(tb / ta) / math.log(b / a),
-        }
+        {"from": a, "to": b, "slope": math.log(tb / ta) / math.log(b / a)}
         for (a, ta), (b, tb) in itertools.pairwise(points)
     ]
     at_target = next((t for n, t in points if n == TARGET_NODES), None)
-    failed = [n for n in sizes if table[str(n)]["status"] != "ok"]
+    failed = [n for n in sizes if table.get(str(n), {}).get("status") != "ok"]
+    under = at_target is not None and at_target < target.seconds
+    linear = bool(slopes) and all(s["slope"] <= 1.0 for s in slopes)
     return {
+        "target_seconds": target.seconds,
+        "linear_required": target.linear,
         "seconds_at_target": at_target,
-        "under_target": at_target is not None and at_target < TARGET_SECONDS,
+        "under_target": under,
         "slopes": slopes,
-        "at_most_linear": bool(slopes) and all(s["slope"] <= 1.0 for s in slopes),
+        "at_most_linear": linear,
         "failed_sizes": failed,
-        "met": not failed
-        and at_target is not None
-        and at_target < TARGET_SECONDS
-        and all(s["slope"] <= 1.0 for s in slopes),
+        "met": not failed and under and (linear or not target.linear),
     }
 
 
+def verdicts(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {
+        name: verdict(table, results["sizes"], TARGETS[name])
+        for name, table in results["table"].items()
+        if name in TARGETS
+    }
+
+
+def upgrade(results: dict[str, Any]) -> dict[str, Any]:
+    """Results of any version of this script, in this version's terms."""
+    table = {OLD_NAMES.get(name, name): runs for name, runs in results["table"].items()}
+    order = [name for name in IMPLEMENTATIONS if name in table]
+    results["table"] = {name: table[name] for name in [*order, *sorted(set(table) - set(order))]}
+    results.setdefault("backends", list(results["table"]))
+    results.setdefault("counted", "TCPStore requests")
+    results["verdicts"] = verdicts(results)
+    return results
+
+
 # --- the report ---------------------------------------------------------------------------
+
+STYLES: dict[str, dict[str, Any]] = {
+    "c10d": {"color": "#2b7bba", "marker": "o", "offset": (6, -12)},
+    "etcd": {"color": "#2ca02c", "marker": "^", "offset": (-14, 8)},
+    "redis": {"color": "#d1780f", "marker": "D", "offset": (8, -6)},
+    "torch": {"color": "#777777", "marker": "s", "offset": (-12, 8)},
+}
 
 
 def chart(results: dict[str, Any], sizes: Sequence[int]) -> str:
@@ -451,79 +644,106 @@ def chart(results: dict[str, Any], sizes: Sequence[int]) -> str:
     import matplotlib.pyplot as plt
 
     IMAGES.mkdir(parents=True, exist_ok=True)
-    figure, axis = plt.subplots(figsize=(6.4, 4.2))
-    styles = {
-        "rallypoint": {"color": "#2b7bba", "marker": "o", "label": "rallypoint"},
-        "torch": {"color": "#777777", "marker": "s", "label": "torch c10d"},
-    }
-    for name in IMPLEMENTATIONS:
-        table = results["table"][name]
+    figure, axis = plt.subplots(figsize=(7.0, 4.8))
+    for name, table in results["table"].items():
+        style = STYLES.get(name, {"color": "#9467bd", "marker": "v", "offset": (6, 0)})
+        color = style["color"]
         ok = [
-            (n, table[str(n)]["median_seconds"]) for n in sizes if table[str(n)]["status"] == "ok"
+            (n, table[str(n)]["median_seconds"])
+            for n in sizes
+            if table.get(str(n), {}).get("status") == "ok"
         ]
         if ok:
-            axis.plot(*zip(*ok, strict=True), linewidth=2, **styles[name])  # type: ignore[arg-type]
+            axis.plot(
+                *zip(*ok, strict=True),
+                linewidth=2,
+                color=color,
+                marker=style["marker"],
+                label=LABELS.get(name, name),
+            )
             for n, seconds in ok:
                 axis.annotate(
-                    f"{seconds:.3g} s",
+                    f"{seconds:.3g}",
                     (n, seconds),
                     textcoords="offset points",
-                    xytext=(6, -12) if name == "rallypoint" else (-12, 8),
-                    fontsize=8,
-                    color=styles[name]["color"],
+                    xytext=style["offset"],
+                    fontsize=7,
+                    color=color,
                 )
-        timed_out = [n for n in sizes if table[str(n)]["status"] == "timed out"]
-        for n in timed_out:
-            cap = table[str(n)]["cap_seconds"]
-            axis.plot([n], [cap], marker="x", markersize=10, color=styles[name]["color"])
+        for n in sizes:
+            record = table.get(str(n), {})
+            if record.get("status") != "timed out":
+                continue
+            cap = record["cap_seconds"]
+            axis.plot([n], [cap], marker="x", markersize=10, color=color)
             axis.annotate(
                 f"timed out (> {cap:.0f} s)",
                 (n, cap),
                 textcoords="offset points",
                 xytext=(-30, 8),
                 fontsize=8,
-                color=styles[name]["color"],
+                color=color,
             )
     low, high = min(sizes), max(sizes)
-    reference = [TARGET_SECONDS * n / TARGET_NODES for n in (low, high)]
-    axis.plot(
-        [low, high],
-        reference,
-        linestyle="--",
-        color="#d62728",
-        linewidth=1,
-        label=f"linear: {TARGET_SECONDS:g} s at {TARGET_NODES} nodes (target)",
-    )
-    axis.plot([TARGET_NODES], [TARGET_SECONDS], marker="*", markersize=12, color="#d62728")
+    linear = [(name, t) for name, t in TARGETS.items() if t.linear and name in results["table"]]
+    for name, target in linear:
+        axis.plot(
+            [low, high],
+            [target.seconds * n / TARGET_NODES for n in (low, high)],
+            linestyle="--",
+            color="#d62728",
+            linewidth=1,
+            label=f"linear to {target.seconds:g} s at {TARGET_NODES} ({LABELS[name]} target)",
+        )
+    for seconds in sorted({t.seconds for n, t in TARGETS.items() if n in results["table"]}):
+        who = ", ".join(
+            LABELS[n].removeprefix("rallypoint on ")
+            for n, t in TARGETS.items()
+            if t.seconds == seconds and n in results["table"]
+        )
+        axis.plot([TARGET_NODES], [seconds], marker="*", markersize=12, color="#d62728")
+        axis.annotate(
+            f"target {who}: {seconds:g} s",
+            (TARGET_NODES, seconds),
+            textcoords="offset points",
+            xytext=(-95, 3),
+            fontsize=7,
+            color="#d62728",
+        )
     axis.set_xscale("log", base=2)
     axis.set_xlim(low / 1.4, high * 1.6)
     axis.set_yscale("log")
+    axis.set_ylim(top=axis.get_ylim()[1] * 3)  # room for the labels of the highest points
     axis.set_xticks(list(sizes))
     axis.set_xticklabels([str(n) for n in sizes])
     axis.set_xlabel("nodes (N)")
     axis.set_ylabel("seconds to form one round (median)")
     axis.set_title("Rendezvous: time to form one round")
     axis.grid(True, which="both", alpha=0.3)
-    axis.legend(fontsize=8, loc="lower right")
+    axis.legend(fontsize=7, loc="upper left")
     figure.tight_layout()
     figure.savefig(CHART, dpi=100)
     plt.close(figure)
     return f"img/{CHART.name}"
 
 
+def cell(record: dict[str, Any] | None) -> str:
+    if record is None:
+        return "not measured"
+    if record["status"] == "ok":
+        return f"{record['median_seconds']:.3f}"
+    if record["status"] == "timed out":
+        return f"timed out (> {record['cap_seconds']:.0f} s)"
+    if record["status"] == "not run":
+        return f"not run ({record['reason']})"
+    return "failed"
+
+
 def render(results: dict[str, Any], sizes: Sequence[int]) -> str:
-    ours, theirs = results["table"]["rallypoint"], results["table"]["torch"]
-    check = results["verdict"]
-
-    def cell(record: dict[str, Any]) -> str:
-        if record["status"] == "ok":
-            return f"{record['median_seconds']:.3f}"
-        if record["status"] == "timed out":
-            return f"timed out (> {record['cap_seconds']:.0f} s)"
-        if record["status"] == "not run":
-            return f"not run ({record['reason']})"
-        return "failed"
-
+    tables: dict[str, dict[str, Any]] = results["table"]
+    names = list(tables)
+    stores = [name for name in names if name in STORE_BACKENDS]
+    servers = results.get("servers") or {}
     lines = [
         "# Rendezvous benchmark",
         "",
@@ -531,102 +751,167 @@ def render(results: dict[str, Any], sizes: Sequence[int]) -> str:
         "",
         f"- Measured: {results['date']} on {results['machine']}",
         f"- Python {results['python']}, torch {results['torch']}; rallypoint {results['git']}",
+    ]
+    if servers:
+        lines.append("- Servers: " + ", ".join(servers[name] for name in sorted(servers)))
+    lines += [
         f"- Command: `{results['command']}`",
         f"- Reverse DNS of the store address (torch's TCPStore client looks it up on every "
         f"connect): median {results['dns']['median_ms']:.1f} ms, slowest "
         f"{results['dns']['max_ms']:.0f} ms of {results['dns']['lookups']}",
         "",
-        "Time to form one rendezvous round of N nodes, min = max = N, median of "
-        f"{results['repeat']} runs. The ratio is rallypoint / torch c10d.",
+        "Seconds to form one rendezvous round of N nodes, min = max = N, median of "
+        f"{results['repeat']} runs",
+        "(a size where one run failed or timed out is not run again, nor are larger sizes).",
         "",
-        "| N | rallypoint s | torch c10d s | ratio |",
-        "|---|---|---|---|",
+        "| N | " + " | ".join(f"{LABELS.get(name, name)} s" for name in names) + " |",
+        "|---|" + "---|" * len(names),
     ]
     for n in sizes:
-        a, b = ours[str(n)], theirs[str(n)]
-        ratio = (
-            f"{a['median_seconds'] / b['median_seconds']:.3f}x"
-            if a["status"] == "ok" and b["status"] == "ok" and b["median_seconds"]
+        lines.append(f"| {n} | " + " | ".join(cell(tables[m].get(str(n))) for m in names) + " |")
+
+    lines += ["", "## Targets", ""]
+    for name in stores:
+        target, check = TARGETS[name], results["verdicts"][name]
+        at = check["seconds_at_target"]
+        slopes = ", ".join(f"{s['from']}→{s['to']}: {s['slope']:.2f}" for s in check["slopes"])
+        growth = (
+            f"growth (log-log slope of the median time) {slopes}"
+            + (" — at most linear" if check["at_most_linear"] else " — worse than linear somewhere")
+            if slopes
+            else "growth n/a"
+        )
+        wanted = f"{TARGET_NODES} nodes in under {target.seconds:g} s" + (
+            ", growing no worse than linearly (every log-log slope between successive N at most 1)"
+            if target.linear
             else ""
         )
-        lines.append(f"| {n} | {cell(a)} | {cell(b)} | {ratio} |")
-    slopes = ", ".join(f"{s['from']}→{s['to']}: {s['slope']:.2f}" for s in check["slopes"])
-    at = check["seconds_at_target"]
+        measured = (
+            f"{at:.3f} s, {'under' if check['under_target'] else 'over'} {target.seconds:g} s"
+            if at is not None
+            else f"no result at {TARGET_NODES} nodes"
+        )
+        lines.append(
+            f"- **{LABELS[name]}** (issue {target.issue}): {wanted}. Measured: {measured}; "
+            f"{growth}. Verdict: **{'met' if check['met'] else 'not met'}**."
+        )
+
+    counted = results["counted"]
     lines += [
-        "",
-        f"**Target:** {TARGET_NODES} nodes in under {TARGET_SECONDS:g} s, growing no worse than "
-        "linearly (every log-log slope between successive N at most 1).",
-        "",
-        f"- {TARGET_NODES} nodes: "
-        + (
-            f"{at:.3f} s, {'under' if check['under_target'] else 'over'} the target"
-            if at
-            else "no result"
-        ),
-        f"- Growth (log-log slope of the median time): {slopes or 'n/a'}"
-        + (" — at most linear" if check["at_most_linear"] else " — worse than linear somewhere"),
-        f"- Verdict: **{'met' if check['met'] else 'not met'}**",
         "",
         "## rallypoint in detail",
         "",
         "The first node returns once the leader has closed the round; the rest of the time is",
-        "every node reading the round's record (N members) and returning. Store requests are",
-        "those of the round's handlers; heartbeat connections are not counted.",
+        "every node reading the round's record (N members) and returning. "
+        + (
+            "Store operations are calls of the `CoordinationStore` methods by the round's "
+            "handlers, counted by a proxy around each node's store client (`get_many` of N "
+            "keys is one; a c10d `get` is two TCPStore requests, `check` and `get`); the "
+            "heartbeat thread's connection is not counted."
+            if counted == "store operations"
+            else "Store requests are TCPStore requests of the round's handlers; heartbeat "
+            "connections are not counted."
+        ),
+        "",
+        f"| N | store | first node done s | last node done s | {counted} per round | per node |",
+        "|---|---|---|---|---|---|",
+    ]
+    for n in sizes:
+        for name in stores:
+            record = tables[name].get(str(n))
+            if record is not None and record["status"] == "ok":
+                counts = [sum(s["store_requests"].values()) for s in record["samples"]]
+                requests = statistics.median(counts)
+                measured = (
+                    f"{record['median_first_done']:.3f} | {record['median_seconds']:.3f} | "
+                    f"{requests:.0f} | {requests / n:.1f}"
+                )
+            else:
+                measured = f"{cell(record)} | | |"
+            lines.append(f"| {n} | {name} | {measured} |")
+    lines += [
+        "",
         "Decoding is `records.decode_round` of an N-member record, timed alone: every node",
         "does it once per round, so one process simulating N nodes does it N times.",
         "",
-        "| N | first node done s | last node done s | store requests per round | per node "
-        "| round record | decoding it, per node | for all N |",
-        "|---|---|---|---|---|---|---|---|",
+        "| N | round record | decoding it, per node | for all N |",
+        "|---|---|---|---|",
     ]
     for n in sizes:
-        record = ours[str(n)]
         decode = results["decode"][str(n)]
-        if record["status"] == "ok":
-            counts = [sum(s["store_requests"].values()) for s in record["samples"]]
-            requests = statistics.median(counts)
-            measured = (
-                f"{record['median_first_done']:.3f} | {record['median_seconds']:.3f} | "
-                f"{requests:.0f} | {requests / n:.1f}"
-            )
-        else:
-            measured = f"{cell(record)} | | |"
         lines.append(
-            f"| {n} | {measured} | {decode['bytes'] / 1024:.0f} KiB | "
-            f"{decode['seconds'] * 1e3:.2f} ms | {decode['seconds'] * n:.2f} s |"
+            f"| {n} | {decode['bytes'] / 1024:.0f} KiB | {decode['seconds'] * 1e3:.2f} ms | "
+            f"{decode['seconds'] * n:.2f} s |"
         )
+    conf = results.get("rdzv_conf") or {}
     lines += [
         "",
         "## Method",
         "",
-        "Every simulated node is a thread of one process with its own TCPStore connection to a",
-        "TCPStore server the benchmark hosts (a fresh one on a fresh port for every run). A",
-        "barrier releases all nodes at once; a run's time is from the release until the last",
-        "node's call returned, and each run is checked (ranks 0..N-1 once each; for rallypoint,",
-        "one member list).",
+        "Every simulated node is a thread of one process with its own store client. A barrier",
+        "releases all nodes at once; a run's time is from the release until the last node's",
+        "call returned, and each run is checked (ranks 0..N-1 once each; for rallypoint, one",
+        "member list). Sizes run in increasing order, every implementation at one N before the",
+        "next N.",
         "",
-        "- rallypoint: `StoreRendezvous.next_round()` over `TCPStoreClient` (the `c10d`",
-        "  backend's store), rank assigner `ordered`, `join_timeout=600`,",
-        "  `last_call_timeout=30` (not waited: the round closes when N nodes are in),",
-        "  `heartbeat_timeout=600`.",
+        "- rallypoint (`c10d`, `etcd`, `redis`): `StoreRendezvous.next_round()`, rank assigner",
+        "  `ordered`, over the store that the backend plugin's registered `connect` returns for",
+        "  a `RendezvousRequest` (looked up by name in the plugin registry, as `--rdzv-backend`",
+        "  does). Its options are the backend's declared defaults but for these `--rdzv-conf`",
+        "  values, parsed as the CLI parses them: generous timeouts, so that no simulated node",
+        "  is given up on or declared dead while 2N threads share one GIL (`last_call_timeout`",
+        "  is not waited: the round closes when N nodes are in).",
+    ]
+    for name in stores:
+        if name in conf:
+            lines.append(f"  - {name}: `{conf[name]}`")
+    lines += [
+        "- c10d: a TCPStore server hosted by the benchmark, a fresh one on a fresh port for",
+        "  every run.",
+        "- etcd and Redis: one real server each (`tests/servers.py`, as the tests start them:",
+        "  etcd with fsync on, Redis without persistence) on the same machine, started once",
+        "  for the whole run; every run has its own run id, so its own keys. The etcd plugin",
+        "  shares one gRPC connection (and one watch per key range) among the clients of one",
+        "  process, so here all N simulated nodes share one; real nodes have one each.",
         "- torch: `DynamicRendezvousHandler.next_rendezvous()` built by",
         "  `dynamic_rendezvous.create_handler` over `c10d_rendezvous_backend.create_backend`,",
         f"  `last_call_timeout=1`, `join_timeout` = the per-run cap ({results['torch_timeout']:.0f} s).",
-        "  Once one N runs past the cap, larger N are not run.",
         "",
         "All nodes share one Python process and its GIL, so per-node Python work that real",
-        "nodes do in parallel is serialised here: the times are an upper bound for both. A",
+        "nodes do in parallel is serialised here: the times are an upper bound for all. A",
         "rallypoint node also runs a heartbeat thread, which wakes "
         + (
             f"every {results['heartbeat_wakeup_s']:g} s"
             if results.get("heartbeat_wakeup_s")
             else "every few seconds"
         )
-        + " while it",
-        "waits (to bump its counter and report progress), so at N nodes the process runs 2N",
-        "threads; at large N, these and the N decodes of the round record compete for one GIL.",
-        f"The machine has {os.cpu_count()} CPUs and was not otherwise idle; expect noise.",
+        + " while its node",
+        "joins (to report progress) and, once its node's call has returned, waits on the store",
+        "for the round's end "
+        + (
+            f"in calls of at most {results['wake_slice_s']:g} s"
+            if results.get("wake_slice_s")
+            else "in short calls"
+        )
+        + ", so at N nodes the process runs 2N threads.",
+        "At large N, the heartbeat threads of the nodes done, the nodes still reading the round",
+        "record and their N decodes of it compete for one GIL, and with the etcd and Redis",
+        f"servers for the machine's {os.cpu_count()} CPUs. Stores differ in how much of a",
+        "call is Python work under the GIL: little for TCPStore's C++ client, more for the",
+        "etcd plugin (gRPC, one connection and one watch per key range shared in the",
+        "process) and the Redis plugin (redis-py, each node's own connections and",
+        "subscription).",
         "",
+    ]
+    load = results.get("load_average")
+    if load:
+        lines += [
+            f"One-minute load average: {load[0]:.1f} when the run began, {load[1]:.1f} when it",
+            "ended (this run's own threads count in it). The machine was shared with other",
+            "work; expect noise between runs.",
+            "",
+        ]
+    lines += [
         "![Rendezvous: time to form one round](" + results["chart"] + ")",
         "",
     ]
@@ -635,6 +920,12 @@ def render(results: dict[str, Any], sizes: Sequence[int]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--backends",
+        default=",".join(IMPLEMENTATIONS),
+        help="comma-separated implementations to measure, of "
+        f"{', '.join(IMPLEMENTATIONS)} (default: %(default)s)",
+    )
     parser.add_argument(
         "--nodes",
         default="8,64,256,1024",
@@ -657,12 +948,20 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.render_only:
-        results = json.loads(RESULTS.read_text())
-        results["chart"] = chart(results, results["sizes"])
-        REPORT.write_text(render(results, results["sizes"]) + "\n")
-        print(f"wrote {REPORT.relative_to(ROOT)} and docs/{results['chart']}")
+        saved = upgrade(json.loads(RESULTS.read_text()))
+        saved["chart"] = chart(saved, saved["sizes"])
+        REPORT.write_text(render(saved, saved["sizes"]) + "\n")
+        print(f"wrote {REPORT.relative_to(ROOT)} and docs/{saved['chart']}")
         return
+    names = [name.strip().lower() for name in args.backends.split(",") if name.strip()]
+    unknown = [name for name in names if name not in IMPLEMENTATIONS]
+    if unknown or not names:
+        parser.error(f"--backends {args.backends!r}: choose from {', '.join(IMPLEMENTATIONS)}")
+    names = [name for name in IMPLEMENTATIONS if name in names]
     sizes = sorted({int(n) for n in args.nodes.split(",") if n.strip()})
+    for name in names:
+        if name in STORE_BACKENDS:
+            rdzv_options(store_backend(name))  # a missing plugin or a bad option: fail now
 
     # Every node holds a few sockets (its store connection, its heartbeat's, a port).
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -674,8 +973,16 @@ def main() -> None:
     command = " ".join(["python", "benchmarks/bench_rendezvous.py", *sys.argv[1:]])
     dns = reverse_dns()
     git = git_state()  # before measuring: the code measured is the code imported now
+    load_before = os.getloadavg()[0]
     began = time.time()
-    table = measure(sizes, args.repeat, args.rallypoint_timeout, args.torch_timeout)
+    with tempfile.TemporaryDirectory(prefix="bench-rdzv-") as tmp_dir:
+        servers = Servers(names, tmp_dir)
+        try:
+            table = measure(
+                names, sizes, args.repeat, args.rallypoint_timeout, args.torch_timeout, servers
+            )
+        finally:
+            servers.stop()
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(began)),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
@@ -683,23 +990,29 @@ def main() -> None:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "git": git,
+        "servers": server_versions(names),
         "heartbeat_wakeup_s": heartbeat_wakeup(),
+        "wake_slice_s": wake_slice(),
         "dns": dns,
+        "load_average": [load_before, os.getloadavg()[0]],
         "decode": {str(n): decode_cost(n) for n in sizes},
         "command": command,
+        "backends": names,
+        "rdzv_conf": {name: rdzv_conf(name) for name in names if name in STORE_BACKENDS},
+        "counted": "store operations",
         "repeat": args.repeat,
         "sizes": sizes,
         "torch_timeout": args.torch_timeout,
         "rallypoint_timeout": args.rallypoint_timeout,
         "wall_seconds": time.time() - began,
         "table": table,
-        "verdict": verdict(table["rallypoint"], sizes),
     }
+    results["verdicts"] = verdicts(results)
     results["chart"] = chart(results, sizes)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     REPORT.write_text(render(results, sizes) + "\n")
-    print(json.dumps(results["verdict"], indent=2))
+    print(json.dumps(results["verdicts"], indent=2))
     print(
         f"wrote {RESULTS.relative_to(ROOT)}, {REPORT.relative_to(ROOT)} and docs/{results['chart']}"
     )
