@@ -35,9 +35,9 @@ def register_restart_policies():
 def test_builtins_register_every_documented_name() -> None:
     registry = get_plugin_manager().registry
     assert {"static", "c10d"} <= set(registry.names(RENDEZVOUS_BACKENDS))
-    assert registry.names(RESTART_POLICIES) == ["backoff", "max-restarts", "never"]
-    assert registry.names(RANK_ASSIGNERS) == ["ordered", "sticky", "topology"]
-    assert registry.names(CHECKPOINT_STORES) == ["file"]
+    assert {"backoff", "max-restarts", "never"} <= set(registry.names(RESTART_POLICIES))
+    assert {"ordered", "sticky", "topology"} <= set(registry.names(RANK_ASSIGNERS))
+    assert "file" in registry.names(CHECKPOINT_STORES)
     assert {"log", "jsonl"} <= set(registry.names(METRICS_SINKS))
 
 
