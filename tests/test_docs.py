@@ -6,16 +6,22 @@ import inspect
 import re
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
+import typer
 import typer.main
 
 from rallypoint import hookspecs
-from rallypoint.plugins import build_plugin_manager
+from rallypoint.events import RoundInfo, RunInfo, WorkerFailure
+from rallypoint.plugins import PluginManager, build_plugin_manager, get_plugin_manager
 from rallypoint.registry import METRICS_SINKS, RENDEZVOUS_BACKENDS, RESTART_POLICIES, Kind
+from rallypoint.testing.helpers import CliRunner, fresh_plugin_manager, plugin_registered
 from rallypoint_cli.main import build_app
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,6 +29,8 @@ DOCS = REPO / "docs"
 HOOKS_MD = DOCS / "plugins" / "hooks.md"
 USER_GUIDE = DOCS / "user-guide.md"
 WRITING = DOCS / "plugins" / "writing.md"
+#: Every page with python blocks; generated pages and the example plugin's README included.
+PAGES_WITH_PYTHON = sorted(p for p in DOCS.rglob("*.md") if "```python" in p.read_text("utf-8"))
 
 #: torchrun flags the user guide says rallypoint does not accept yet. When one is added to
 #: `rallypoint run`, test_unsupported_torchrun_flags_are_absent fails: update the guide.
@@ -153,11 +161,184 @@ def test_user_guide_documents_every_option_key() -> None:
     assert not missing, f"option keys missing from docs/user-guide.md: {missing}"
 
 
-@pytest.mark.parametrize("path", [WRITING, HOOKS_MD], ids=lambda p: p.name)
+def _is_excerpt(source: str) -> bool:
+    """A block opened by ``# path/of/file.py`` quotes part of that file (an indented method,
+    say); the tests of that code check the quote against the file."""
+    return bool(re.match(r"# [\w./-]+\.py\n", source))
+
+
+def _is_signature(source: str) -> bool:
+    """A hook's signature line in the hook reference."""
+    return source.rstrip().endswith(":") and source.count("\n") == 1
+
+
+@pytest.mark.parametrize("path", PAGES_WITH_PYTHON, ids=lambda p: p.relative_to(DOCS).as_posix())
 def test_python_snippets_compile(path: Path) -> None:
     blocks = python_blocks(path)
     assert blocks, f"no python blocks in {path.name}"
     for number, source in enumerate(blocks, 1):
-        if source.rstrip().endswith(":"):  # a hook's signature line: give it a body
+        if _is_excerpt(source):
+            continue
+        if _is_signature(source):  # give it a body
             source += "    ...\n"
         compile(source, f"{path.name}, python block {number}", "exec")
+
+
+# --- the plugin author's pages: every python block runs ------------------------------------
+
+#: The hook reference's examples assume its first line: `from rallypoint import hookimpl`.
+PRELUDE = {HOOKS_MD: {"hookimpl": hookspecs.hookimpl}}
+
+#: Arguments to call each lifecycle hook of a snippet with.
+_RUN = RunInfo(run_id="docs", node_id="node-a", hostname="host-a")
+_HOOK_ARGUMENTS: dict[str, dict[str, Any]] = {
+    "on_agent_started": {"run": _RUN},
+    "on_rendezvous_completed": {
+        "run": _RUN,
+        "round_info": RoundInfo(0, 0, 1, 2, "host-a", 29500, ("node-a",)),
+    },
+    "on_workers_started": {
+        "run": _RUN,
+        "round_info": RoundInfo(0, 0, 1, 2, "host-a", 29500, ("node-a",)),
+        "pids": (101, 102),
+    },
+    "on_worker_failed": {
+        "run": _RUN,
+        "failure": WorkerFailure(local_rank=1, rank=1, pid=102, exit_code=None, signal="SIGKILL"),
+    },
+    "on_workers_restarted": {"run": _RUN, "restart_count": 1, "cause": "failure"},
+    "on_scale_changed": {"run": _RUN, "old_nodes": 2, "new_nodes": 1},
+    "on_agent_stopping": {"run": _RUN, "exit_code": 0, "reason": "all workers finished"},
+}
+
+
+@dataclass
+class Snippet:
+    page: Path
+    number: int
+    source: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.page.name}, python block {self.number}"
+
+
+def snippets(*pages: Path) -> list[Snippet]:
+    return [
+        Snippet(page, number, source)
+        for page in pages
+        for number, source in enumerate(python_blocks(page), 1)
+        if not _is_signature(source)
+    ]
+
+
+def _page_modules(page: Path) -> dict[str, str]:
+    """Modules a page writes in full: a block opened by the docstring of distribution
+    ``rallypoint-NAME`` is the module ``rallypoint_NAME``."""
+    found = {}
+    for source in python_blocks(page):
+        match = re.match(r'"""(rallypoint-[\w-]+): ', source)
+        if match:
+            found[match.group(1).replace("-", "_")] = source
+    return found
+
+
+def _install_module(site: Path, module: str, source: str) -> None:
+    """Install ``module`` as a plugin distribution found through its entry point."""
+    (site / f"{module}.py").write_text(source)
+    name = module.removeprefix("rallypoint_")
+    info = site / f"{module}-0.1.0.dist-info"
+    info.mkdir()
+    distribution = module.replace("_", "-")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text(f"[rallypoint]\n{name} = {module}\n")
+
+
+def _fixture_values(
+    function: Callable[..., Any], stack: ExitStack, tmp_path: Path
+) -> dict[str, Any]:
+    """The fixtures of rallypoint's pytest plugin (and ``tmp_path``) a snippet's test asks
+    for, made with the same helpers."""
+    pm = stack.enter_context(_fresh_pm())
+    values: dict[str, Any] = {
+        "tmp_path": tmp_path,
+        "rallypoint_pm": pm,
+        "rallypoint_register": lambda plugin, name=None: stack.enter_context(
+            plugin_registered(plugin, name, pm=pm)
+        ),
+        "rallypoint_runner": CliRunner(cwd=tmp_path),
+    }
+    wanted = inspect.signature(function).parameters
+    unknown = sorted(set(wanted) - set(values))
+    assert not unknown, f"{function.__name__} asks for fixtures the docs test lacks: {unknown}"
+    return {name: values[name] for name in wanted}
+
+
+@contextmanager
+def _fresh_pm() -> Iterator[PluginManager]:
+    yield fresh_plugin_manager()
+    get_plugin_manager.cache_clear()
+
+
+def _check_plugin(module: ModuleType, label: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Load a snippet that implements hooks as rallypoint loads a plugin, collect what it
+    registers, and call its lifecycle hooks and commands."""
+    if not any(hasattr(value, f"{hookspecs.PROJECT_NAME}_impl") for value in _members(module)):
+        return
+    pm = build_plugin_manager({"RALLYPOINT_LOAD_PLUGINS": ""})
+    with plugin_registered(module, "snippet", pm=pm):
+        info = pm.infos["snippet"]
+        assert info.status == "active", f"{label}: {info.error}"
+        for hook, arguments in _HOOK_ARGUMENTS.items():
+            if hook in info.hooks:
+                getattr(pm.hook, hook)(**arguments)
+        if "register_commands" in info.hooks:
+            app = typer.Typer()
+            pm.hook.register_commands(app=app)
+            command = typer.main.get_command(app)
+            assert command.main(args=["--help"], standalone_mode=False) == 0
+    capsys.readouterr()
+
+
+def _members(module: ModuleType) -> list[Any]:
+    members = list(vars(module).values())
+    for value in list(members):
+        if inspect.isclass(value) and value.__module__ == module.__name__:
+            members.extend(vars(value).values())
+    return members
+
+
+@pytest.mark.parametrize("snippet", snippets(WRITING, HOOKS_MD), ids=lambda s: s.label)
+def test_python_snippets_run(
+    snippet: Snippet,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Each block runs as a module; one that implements hooks is loaded as a plugin, its
+    registrations collected and its hooks called; its ``test_*`` functions are run. A block
+    importing a module the page writes in full gets it installed as a plugin."""
+    if _is_excerpt(snippet.source):
+        pytest.skip("an excerpt of a source file, checked against that file by its tests")
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    for module_name, source in _page_modules(snippet.page).items():
+        if re.search(rf"^(from|import) {module_name}\b", snippet.source, re.MULTILINE):
+            _install_module(site, module_name, source)
+            monkeypatch.delitem(sys.modules, module_name, raising=False)
+    module = ModuleType(f"docs_snippet_{snippet.number}")
+    module.__dict__.update(PRELUDE.get(snippet.page, {}))
+    exec(compile(snippet.source, snippet.label, "exec"), module.__dict__)
+    _check_plugin(module, snippet.label, capsys)
+    tests = [
+        value
+        for name, value in vars(module).items()
+        if name.startswith("test_") and inspect.isfunction(value)
+    ]
+    for number, test in enumerate(tests):
+        workdir = tmp_path / f"test-{number}"
+        workdir.mkdir()
+        with ExitStack() as stack:
+            test(**_fixture_values(test, stack, workdir))
+    get_plugin_manager.cache_clear()

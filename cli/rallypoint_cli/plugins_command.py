@@ -1,14 +1,17 @@
-"""``rallypoint plugins``: what is installed, what each plugin registers, what is broken."""
+"""``rallypoint plugins``: what is installed, what each plugin registers, what is broken;
+``rallypoint plugins new``: a new plugin from the template."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import typer
 
 from rallypoint.plugins import BROKEN, PluginManager
 from rallypoint.registry import CHECKPOINT_STORES, KINDS, Registry
+from rallypoint.testing import template
 
 #: The flag whose ``key=value`` list sets the options of each kind of registration.
 OPTION_FLAGS = {
@@ -43,38 +46,76 @@ def _options(registry: Registry) -> dict[str, dict[str, list[dict[str, Any]]]]:
 
 
 def register(app: typer.Typer, pm: PluginManager) -> None:
-    @app.command("plugins")
+    group = typer.Typer(
+        name="plugins",
+        help="List installed plugins, or start a new one (`rallypoint plugins new`).",
+        invoke_without_command=True,
+        no_args_is_help=False,
+    )
+
+    @group.callback(invoke_without_command=True)
     def plugins(
+        ctx: typer.Context,
         as_json: bool = typer.Option(False, "--json", help="Print JSON for tools."),
     ) -> None:
         """List installed plugins: name, version, status, hooks and registered names."""
-        infos = [pm.infos[name] for name in sorted(pm.infos)]
-        conflicts = pm.registry.conflicts()
-        if as_json:
-            payload = {
-                "plugins": [info.to_dict() for info in infos],
-                "available": _choices(pm.registry),
-                "options": _options(pm.registry),
-                "conflicts": conflicts,
-            }
-            typer.echo(json.dumps(payload, indent=2, sort_keys=True))
-            return
-        for info in infos:
-            origin = "built-in" if info.builtin else f"{info.distribution} {info.version}"
-            typer.echo(f"{info.name}  [{info.status}]  {origin}")
-            if info.error:
-                typer.echo(f"    {'error' if info.status == BROKEN else 'note'}: {info.error}")
-            for label, names in sorted(info.registered.items()):
-                typer.echo(f"    {label}: {', '.join(names)}")
-            if info.hooks:
-                typer.echo(f"    hooks: {', '.join(info.hooks)}")
-        typer.echo("")
-        choices = _choices(pm.registry)
-        for kind in KINDS:
-            typer.echo(f"{kind.flag} choices: {', '.join(choices[kind.label]) or '(none)'}")
-        for label, by_name in _options(pm.registry).items():
-            for name, options in sorted(by_name.items()):
-                keys = ", ".join(option["name"] for option in options)
-                typer.echo(f"{OPTION_FLAGS[label]} keys of {label} {name}: {keys}")
-        for conflict in conflicts:
-            typer.echo(f"warning: {conflict}", err=True)
+        if ctx.invoked_subcommand is None:
+            _list(pm, as_json)
+
+    @group.command("new")
+    def new(
+        name: str = typer.Argument(
+            ...,
+            help="The plugin's name: distribution rallypoint-NAME, module rallypoint_NAME.",
+            metavar="NAME",
+            show_default=False,
+        ),
+        kind: str = typer.Option(
+            ...,
+            "--kind",
+            help=f"What it registers: {', '.join(template.KINDS)}.",
+            metavar="KIND",
+        ),
+        directory: Path = typer.Option(
+            Path("."), "--dir", help="Where to create the rallypoint-NAME folder."
+        ),
+    ) -> None:
+        """Write a new plugin distribution whose tests (rallypoint's conformance suite) pass."""
+        target = template.write_plugin(name, kind.strip().lower(), directory)
+        typer.echo(f"created {target}: a {template.KINDS[kind.strip().lower()]} plugin")
+        typer.echo(f"next: pip install -e '{target}[test]' && pytest {target}")
+
+    app.add_typer(group, name="plugins")
+
+
+def _list(pm: PluginManager, as_json: bool) -> None:
+    infos = [pm.infos[name] for name in sorted(pm.infos)]
+    conflicts = pm.registry.conflicts()
+    if as_json:
+        payload = {
+            "plugins": [info.to_dict() for info in infos],
+            "available": _choices(pm.registry),
+            "options": _options(pm.registry),
+            "conflicts": conflicts,
+        }
+        typer.echo(json.dumps(payload, indent=2, sort_keys=True))
+        return
+    for info in infos:
+        origin = "built-in" if info.builtin else f"{info.distribution} {info.version}"
+        typer.echo(f"{info.name}  [{info.status}]  {origin}")
+        if info.error:
+            typer.echo(f"    {'error' if info.status == BROKEN else 'note'}: {info.error}")
+        for label, names in sorted(info.registered.items()):
+            typer.echo(f"    {label}: {', '.join(names)}")
+        if info.hooks:
+            typer.echo(f"    hooks: {', '.join(info.hooks)}")
+    typer.echo("")
+    choices = _choices(pm.registry)
+    for kind in KINDS:
+        typer.echo(f"{kind.flag} choices: {', '.join(choices[kind.label]) or '(none)'}")
+    for label, by_name in _options(pm.registry).items():
+        for name, options in sorted(by_name.items()):
+            keys = ", ".join(option["name"] for option in options)
+            typer.echo(f"{OPTION_FLAGS[label]} keys of {label} {name}: {keys}")
+    for conflict in conflicts:
+        typer.echo(f"warning: {conflict}", err=True)

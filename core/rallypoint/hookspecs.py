@@ -138,17 +138,28 @@ def register_checkpoint_stores() -> Iterable[CheckpointStore]:
     """Declare checkpoint stores, chosen by the URL scheme of ``--checkpoint-dir``.
 
     Returns:
-        The stores this plugin provides; each lists the URL schemes it serves. Two stores
-        claiming one scheme is an error that names both distributions.
+        The stores this plugin provides; each lists the URL schemes it serves and gives
+        ``open(url)``, the ``CheckpointStorage`` at that URL, on which the workers'
+        ``rallypoint.checkpoint`` builds checkpoints. Two stores claiming one scheme is an
+        error that names both distributions.
 
     Example::
 
         from rallypoint import hookimpl
         from rallypoint.extensions import CheckpointStore
 
+        def open_storage(url):
+            from my_s3_store.storage import S3Storage  # a CheckpointStorage
+
+            return S3Storage(url)
+
         @hookimpl
         def register_checkpoint_stores():
-            return [CheckpointStore("s3", "objects in S3 via fsspec", schemes=("s3",))]
+            return [
+                CheckpointStore(
+                    "s3", "objects in S3 via fsspec", schemes=("s3",), open=open_storage
+                )
+            ]
     """
 
 
