@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 PLUGINS := plugins/rendezvous_etcd plugins/rendezvous_redis plugins/metrics_prometheus examples/fsspec_store
 STAMP := $(VENV)/.installed
 # Debian packages of the servers the tests start: binary:package.
-SERVERS := etcd:etcd-server redis-server:redis-server prometheus:prometheus prometheus-pushgateway:prometheus-pushgateway openssl:openssl
+SERVERS := etcd:etcd-server redis-server:redis-server prometheus:prometheus prometheus-pushgateway:prometheus-pushgateway openssl:openssl slurmctld:slurm-wlm
 
 .PHONY: install servers lint docs test demo bench clean
 
