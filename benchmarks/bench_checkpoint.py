@@ -47,10 +47,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+import common
+from common import IMAGES, ROOT
+
 RESULTS = ROOT / "benchmarks" / "results" / "checkpoint.json"
 REPORT = ROOT / "docs" / "benchmarks-checkpoint.md"
-IMAGES = ROOT / "docs" / "img"
 CHART = IMAGES / "bench_checkpoint_blocked.png"
 TARGET_RATIO = 0.20  # blocked time of an asynchronous save / a plain torch.save
 SIDE = 2048  # every tensor is SIDE x SIDE float32: 16 MiB
@@ -145,19 +146,6 @@ def disk_of(path: Path) -> str:
     )
     rows = done.stdout.split("\n")[1:]
     return " ".join(rows[0].split()) if rows and rows[0] else "unknown"
-
-
-def git_state() -> str:
-    def git(*args: str) -> str:
-        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
-        return done.stdout.strip()
-
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    if not git("status", "--porcelain", "--", "core/rallypoint/checkpoint"):
-        return commit
-    source = ROOT / "core" / "rallypoint" / "checkpoint" / "checkpointer.py"
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
-    return f"{commit} + uncommitted changes to checkpoint/ (checkpointer.py sha256 {digest})"
 
 
 # --- the measurements ---------------------------------------------------------------------
@@ -372,13 +360,8 @@ def summarise(samples: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
 
 
 def chart(results: dict[str, Any]) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = common.pyplot()
     medians = results["summary"]["medians"]
-    IMAGES.mkdir(parents=True, exist_ok=True)
     figure, (saves, loops) = plt.subplots(
         1, 2, figsize=(10, 4.2), gridspec_kw={"width_ratios": [3, 2]}
     )
@@ -424,10 +407,7 @@ def chart(results: dict[str, Any]) -> str:
     loops.set_title("The loop during a background write", fontsize=10)
     loops.legend(fontsize=8, loc="lower right")
     loops.grid(True, axis="y", alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(CHART, dpi=100)
-    plt.close(figure)
-    return f"img/{CHART.name}"
+    return common.save_chart(figure, CHART)
 
 
 def render(results: dict[str, Any]) -> str:
@@ -628,25 +608,21 @@ def main() -> None:
     parser.add_argument(
         "--dir", default=None, help="where to write (default: a temporary directory)"
     )
-    parser.add_argument(
-        "--render-only",
-        action="store_true",
-        help=f"measure nothing: rewrite the report and chart from {RESULTS.relative_to(ROOT)}",
-    )
+    common.add_render_only(parser, RESULTS)
     args = parser.parse_args()
     if args.render_only:
         saved: dict[str, Any] = json.loads(RESULTS.read_text())
         saved["chart"] = chart(saved)
         saved["findings"] = findings(saved)
         REPORT.write_text(render(saved) + "\n")
-        print(f"wrote {REPORT.relative_to(ROOT)} and docs/{saved['chart']}")
+        common.wrote(REPORT, CHART)
         return
 
     import torch
 
     command = " ".join(["python", "benchmarks/bench_checkpoint.py", *sys.argv[1:]])
-    git = git_state()
-    load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    git = common.git_state("core/rallypoint/checkpoint", "checkpointer.py")
+    load_before = common.load_average()
     cache = Cache()
     state = make_state(args.size_mb)
     state_bytes = sum(t.numel() * t.element_size() for t in tensors(state))
@@ -661,9 +637,7 @@ def main() -> None:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     results: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(began)),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
-        f"{platform.system()} {platform.release()}",
+        **common.measured_on(began),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -671,7 +645,7 @@ def main() -> None:
         "git": git,
         "command": command,
         "load_before": load_before,
-        "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "load_after": common.load_average(),
         "cache_policy": cache.policy,
         "disk": disk,
         "sha256_mb_per_s": sha256_mb_per_s(),
@@ -685,13 +659,10 @@ def main() -> None:
     }
     results["findings"] = findings(results)
     results["chart"] = chart(results)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    common.write_results(RESULTS, results)
     REPORT.write_text(render(results) + "\n")
     print(json.dumps(results["summary"]["verdict"], indent=2))
-    print(
-        f"wrote {RESULTS.relative_to(ROOT)}, {REPORT.relative_to(ROOT)} and docs/{results['chart']}"
-    )
+    common.wrote(RESULTS, REPORT, CHART)
 
 
 if __name__ == "__main__":

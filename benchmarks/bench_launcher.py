@@ -31,7 +31,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import common
+from common import IMAGES, ROOT
+
 BIN = Path(sys.executable).parent
 WORKLOADS = Path(__file__).resolve().parent / "workloads"
 CRASH_WORKLOAD = ROOT / "tests" / "workers" / "allreduce.py"
@@ -41,7 +43,6 @@ LAUNCHERS = {
 }
 RESULTS = ROOT / "benchmarks" / "results" / "launcher.json"
 REPORT = ROOT / "docs" / "benchmarks.md"
-IMAGES = ROOT / "docs" / "img"
 
 
 @dataclass
@@ -201,12 +202,7 @@ def ratio(ours: object, theirs: object) -> float | None:
 
 
 def charts(summary: dict[str, dict[str, object]]) -> list[tuple[str, str]]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    IMAGES.mkdir(parents=True, exist_ok=True)
+    plt = common.pyplot()
     made = []
     for key, title, unit in [
         ("noop_wall_seconds", "No-op job, 2 workers: wall time", "seconds"),
@@ -230,11 +226,7 @@ def charts(summary: dict[str, dict[str, object]]) -> list[tuple[str, str]]:
         axis.set_title(title)
         axis.set_xlabel(unit)
         axis.invert_yaxis()
-        figure.tight_layout()
-        path = IMAGES / f"bench_{key}.png"
-        figure.savefig(path, dpi=100)
-        plt.close(figure)
-        made.append((title, f"img/{path.name}"))
+        made.append((title, common.save_chart(figure, IMAGES / f"bench_{key}.png")))
     return made
 
 
@@ -306,21 +298,19 @@ def main() -> None:
 
     results = measure(args.repeat, args.recovery_repeat, args.timeout)
     results.update(
-        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        machine=f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}",
+        common.measured_on(),
         python=platform.python_version(),
         torch=torch.__version__,
         timeout=args.timeout,
     )
     results["charts"] = charts(results["summary"])  # type: ignore[arg-type]
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    common.write_results(RESULTS, results)
     command = "make bench  # = " + " ".join(
         ["python", "benchmarks/bench_launcher.py", *sys.argv[1:]]
     )
     REPORT.write_text(render(results, command) + "\n")
     print(json.dumps(results["summary"], indent=2))
-    print(f"wrote {RESULTS.relative_to(ROOT)} and {REPORT.relative_to(ROOT)}")
+    common.wrote(RESULTS, REPORT)
 
 
 if __name__ == "__main__":

@@ -42,11 +42,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+import common
+from common import IMAGES, ROOT
+
 BIN = Path(sys.executable).parent
 RESULTS = ROOT / "benchmarks" / "results" / "metrics.json"
 REPORT = ROOT / "docs" / "benchmarks-metrics.md"
-IMAGES = ROOT / "docs" / "img"
 CHART = IMAGES / "bench_metrics_overhead.png"
 MODES = ("off", "no-op", "prometheus")
 STEP_SECONDS = 0.010
@@ -197,12 +198,7 @@ def measure(repeat: int, steps: int, nproc: int, timeout: float) -> dict[str, An
 
 
 def chart(summary: dict[str, dict[str, Any]]) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    IMAGES.mkdir(parents=True, exist_ok=True)
+    plt = common.pyplot()
     figure, (share, calls) = plt.subplots(1, 2, figsize=(9.5, 2.8))
     colors = ["#999999", "#7fb2d9", "#2b7bba"]
     measured = [100 * float(summary[m]["overhead_vs_off"] or 0.0) for m in MODES]
@@ -226,10 +222,7 @@ def chart(summary: dict[str, dict[str, Any]]) -> str:
     calls.set_title("Counter + histogram call time per step", fontsize=10)
     calls.set_xlabel("µs (median)", fontsize=8)
     calls.invert_yaxis()
-    figure.tight_layout()
-    figure.savefig(CHART, dpi=100)
-    plt.close(figure)
-    return f"img/{CHART.name}"
+    return common.save_chart(figure, CHART)
 
 
 def render(results: dict[str, Any], command: str) -> str:
@@ -326,14 +319,13 @@ def main() -> None:
         results = json.loads(RESULTS.read_text())
         results["chart"] = chart(results["summary"])
         REPORT.write_text(render(results, results.get("command", command)) + "\n")
-        print(f"wrote {REPORT.relative_to(ROOT)}")
+        common.wrote(REPORT)
         return
     from importlib.metadata import version
 
     results = measure(args.repeat, args.steps, args.nproc, args.timeout)
     results.update(
-        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        machine=f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}",
+        common.measured_on(),
         python=platform.python_version(),
         prometheus_client=version("prometheus_client"),
         repeat=args.repeat,
@@ -342,11 +334,10 @@ def main() -> None:
         command=command,
     )
     results["chart"] = chart(results["summary"])
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    common.write_results(RESULTS, results)
     REPORT.write_text(render(results, command) + "\n")
     print(json.dumps(results["summary"], indent=2))
-    print(f"wrote {RESULTS.relative_to(ROOT)} and {REPORT.relative_to(ROOT)}")
+    common.wrote(RESULTS, REPORT)
 
 
 if __name__ == "__main__":

@@ -42,12 +42,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+import common
+from common import IMAGES, ROOT
+
 BIN = Path(sys.executable).parent
 WORKER = ROOT / "tests" / "workers" / "steps.py"
 RESULTS = ROOT / "benchmarks" / "results" / "recovery.json"
 REPORT = ROOT / "docs" / "benchmarks-recovery.md"
-IMAGES = ROOT / "docs" / "img"
 CHART = IMAGES / "bench_node_kill_recovery.png"
 HOST = "127.0.0.1"
 LAUNCHERS = ("rallypoint", "torchrun")
@@ -399,26 +400,11 @@ def ratio(summary: dict[str, dict[str, Any]], cap: float) -> dict[str, Any]:
     return {"value": None, "bound": "n/a"}
 
 
-def git_state() -> str:
-    def git(*args: str) -> str:
-        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
-        return done.stdout.strip()
-
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    dirty = git("status", "--porcelain", "--", "core")
-    return f"{commit} + uncommitted changes to core/" if dirty else commit
-
-
 # --- the report ---------------------------------------------------------------------------
 
 
 def chart(results: dict[str, Any]) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    IMAGES.mkdir(parents=True, exist_ok=True)
+    plt = common.pyplot()
     cap = float(results["cap_seconds"])
     colors = {"rallypoint": "#2b7bba", "torchrun": "#999999"}
     figure, axis = plt.subplots(figsize=(6.4, 3.0))
@@ -457,10 +443,7 @@ def chart(results: dict[str, Any]) -> str:
     axis.set_xlabel("seconds from SIGKILL of one node to the survivors training again")
     axis.set_title("Recovery after a node is killed (bars: median; dots: runs)")
     axis.grid(True, axis="x", alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(CHART, dpi=100)
-    plt.close(figure)
-    return f"img/{CHART.name}"
+    return common.save_chart(figure, CHART)
 
 
 def findings(results: dict[str, Any]) -> list[str]:
@@ -734,17 +717,13 @@ def main() -> None:
         help="run torchrun without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (it then does not "
         "scale up from one node to two on torch 2.13)",
     )
-    parser.add_argument(
-        "--render-only",
-        action="store_true",
-        help=f"measure nothing: rewrite the report and chart from {RESULTS.relative_to(ROOT)}",
-    )
+    common.add_render_only(parser, RESULTS)
     args = parser.parse_args()
     if args.render_only:
         saved: dict[str, Any] = json.loads(RESULTS.read_text())
         saved["chart"] = chart(saved)
         REPORT.write_text(render(saved) + "\n")
-        print(f"wrote {REPORT.relative_to(ROOT)} and docs/{saved['chart']}")
+        common.wrote(REPORT, CHART)
         return
     if shutil.which("pgrep") is None:
         parser.error("pgrep is needed to find orphan workers (install procps)")
@@ -752,8 +731,8 @@ def main() -> None:
     import torch
 
     command = " ".join(["python", "benchmarks/bench_recovery.py", *sys.argv[1:]])
-    git = git_state()
-    load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    git = common.git_state("core")
+    load_before = common.load_average()
     began = time.time()
     envs: dict[str, dict[str, str]] = {
         "rallypoint": {},
@@ -774,9 +753,7 @@ def main() -> None:
         for name in LAUNCHERS
     }
     results: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(began)),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
-        f"{platform.system()} {platform.release()}",
+        **common.measured_on(began),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -791,20 +768,17 @@ def main() -> None:
         "start_cap_seconds": args.start_cap,
         "orphan_grace_seconds": args.orphan_grace,
         "load_before": load_before,
-        "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "load_after": common.load_average(),
         "wall_seconds": time.time() - began,
         "summary": summary,
         "ratio": ratio(summary, args.cap),
         "samples": {name: [asdict(s) for s in samples[name]] for name in LAUNCHERS},
     }
     results["chart"] = chart(results)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    common.write_results(RESULTS, results)
     REPORT.write_text(render(results) + "\n")
     print(json.dumps({"summary": summary, "ratio": results["ratio"]}, indent=2))
-    print(
-        f"wrote {RESULTS.relative_to(ROOT)}, {REPORT.relative_to(ROOT)} and docs/{results['chart']}"
-    )
+    common.wrote(RESULTS, REPORT, CHART)
 
 
 if __name__ == "__main__":

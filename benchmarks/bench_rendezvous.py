@@ -44,7 +44,6 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 import argparse
 import contextlib
 import gc
-import hashlib
 import itertools
 import json
 import math
@@ -64,17 +63,17 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import common
+from common import IMAGES, ROOT
 
 if TYPE_CHECKING:
     from rallypoint.extensions import RendezvousBackend
     from rallypoint.rendezvous.store import CoordinationStore
 
-ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "rendezvous.json"
 REPORT = ROOT / "docs" / "benchmarks-rendezvous.md"
-IMAGES = ROOT / "docs" / "img"
 CHART = IMAGES / "bench_rdzv_round_time.png"
 HOST = "127.0.0.1"
 #: Everything --backends can name, in the order of the page's columns and the chart's legend.
@@ -480,19 +479,6 @@ def reverse_dns(lookups: int = 20) -> dict[str, float]:
     }
 
 
-def git_state() -> str:
-    def git(*args: str) -> str:
-        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
-        return done.stdout.strip()
-
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    if not git("status", "--porcelain", "--", "core/rallypoint/rendezvous"):
-        return commit
-    protocol = ROOT / "core" / "rallypoint" / "rendezvous" / "protocol.py"
-    digest = hashlib.sha256(protocol.read_bytes()).hexdigest()[:12]
-    return f"{commit} + uncommitted changes to rendezvous/ (protocol.py sha256 {digest})"
-
-
 def heartbeat_wakeup() -> float | None:
     """How often a joining node's heartbeat thread wakes with this benchmark's settings."""
     from rallypoint.rendezvous import protocol
@@ -638,12 +624,7 @@ STYLES: dict[str, dict[str, Any]] = {
 
 
 def chart(results: dict[str, Any], sizes: Sequence[int]) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    IMAGES.mkdir(parents=True, exist_ok=True)
+    plt = common.pyplot()
     figure, axis = plt.subplots(figsize=(7.0, 4.8))
     for name, table in results["table"].items():
         style = STYLES.get(name, {"color": "#9467bd", "marker": "v", "offset": (6, 0)})
@@ -721,10 +702,7 @@ def chart(results: dict[str, Any], sizes: Sequence[int]) -> str:
     axis.set_title("Rendezvous: time to form one round")
     axis.grid(True, which="both", alpha=0.3)
     axis.legend(fontsize=7, loc="upper left")
-    figure.tight_layout()
-    figure.savefig(CHART, dpi=100)
-    plt.close(figure)
-    return f"img/{CHART.name}"
+    return common.save_chart(figure, CHART)
 
 
 def cell(record: dict[str, Any] | None) -> str:
@@ -941,17 +919,13 @@ def main() -> None:
         default=600.0,
         help="seconds before a rallypoint run is abandoned",
     )
-    parser.add_argument(
-        "--render-only",
-        action="store_true",
-        help=f"measure nothing: rewrite the report and chart from {RESULTS.relative_to(ROOT)}",
-    )
+    common.add_render_only(parser, RESULTS)
     args = parser.parse_args()
     if args.render_only:
         saved = upgrade(json.loads(RESULTS.read_text()))
         saved["chart"] = chart(saved, saved["sizes"])
         REPORT.write_text(render(saved, saved["sizes"]) + "\n")
-        print(f"wrote {REPORT.relative_to(ROOT)} and docs/{saved['chart']}")
+        common.wrote(REPORT, CHART)
         return
     names = [name.strip().lower() for name in args.backends.split(",") if name.strip()]
     unknown = [name for name in names if name not in IMPLEMENTATIONS]
@@ -972,7 +946,8 @@ def main() -> None:
 
     command = " ".join(["python", "benchmarks/bench_rendezvous.py", *sys.argv[1:]])
     dns = reverse_dns()
-    git = git_state()  # before measuring: the code measured is the code imported now
+    # Before measuring: the code measured is the code imported now.
+    git = common.git_state("core/rallypoint/rendezvous", "protocol.py")
     load_before = os.getloadavg()[0]
     began = time.time()
     with tempfile.TemporaryDirectory(prefix="bench-rdzv-") as tmp_dir:
@@ -984,9 +959,7 @@ def main() -> None:
         finally:
             servers.stop()
     results: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(began)),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
-        f"{platform.system()} {platform.release()}",
+        **common.measured_on(began),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "git": git,
@@ -1009,13 +982,10 @@ def main() -> None:
     }
     results["verdicts"] = verdicts(results)
     results["chart"] = chart(results, sizes)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    common.write_results(RESULTS, results)
     REPORT.write_text(render(results, sizes) + "\n")
     print(json.dumps(results["verdicts"], indent=2))
-    print(
-        f"wrote {RESULTS.relative_to(ROOT)}, {REPORT.relative_to(ROOT)} and docs/{results['chart']}"
-    )
+    common.wrote(RESULTS, REPORT, CHART)
     # Threads of abandoned torch runs may still be blocked in C++; do not wait for them.
     sys.stdout.flush()
     os._exit(0)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -60,3 +62,79 @@ def torchrun(
 def worker(name: str) -> str:
     """Path of a worker script in tests/workers/."""
     return str(WORKERS / name)
+
+
+# --- real agents, as separate processes --------------------------------------------------
+
+
+def start_rallypoint(*args: str, log: Path) -> subprocess.Popen[str]:
+    """``rallypoint ARGS`` in the background, its stdout and stderr going to ``log``."""
+    with log.open("w") as handle:
+        return subprocess.Popen(
+            [RALLYPOINT, *args],
+            env=clean_environment(),
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+
+def start_agent(
+    backend: str,
+    endpoint: str,
+    run_id: str,
+    nnodes: str,
+    *args: str,
+    conf: str,
+    log: Path,
+    nproc: int = 2,
+) -> subprocess.Popen[str]:
+    """One node of an elastic job: ``rallypoint run`` on ``--rdzv-backend backend`` (at most
+    3 restarts), ``args`` after the rendezvous options (more options, then the script)."""
+    return start_rallypoint(
+        "run", "--nnodes", nnodes, "--nproc-per-node", str(nproc), "--max-restarts", "3",
+        "--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+        "--rdzv-conf", conf, *args, log=log,
+    )  # fmt: skip
+
+
+def wait_for_text(log: Path, text: str, timeout: float = 120) -> None:
+    """Until ``text`` is in ``log``: agents print as they go, there is no event to await."""
+    deadline = time.monotonic() + timeout
+    while text not in log.read_text():
+        assert time.monotonic() < deadline, f"{text!r} never appeared:\n{log.read_text()}"
+        time.sleep(0.1)
+
+
+def wait_for_port(port: int, timeout: float = 60) -> None:
+    """Until something listens on ``port`` of 127.0.0.1 (the first c10d agent's store, so
+    that the next agent does not host one too)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"no store on port {port}")
+
+
+def kill(*agents: subprocess.Popen[str] | None) -> None:
+    """SIGKILL the agents that still run, and reap them: a node lost, or a test's ``finally``."""
+    for agent in agents:
+        if agent is not None:
+            agent.kill()
+            agent.wait(timeout=30)
+
+
+def exit_codes(agents: list[subprocess.Popen[str]], timeout: float) -> list[int]:
+    """The agents' exit codes, waiting at most ``timeout`` s for each; all killed after."""
+    try:
+        return [agent.wait(timeout=timeout) for agent in agents]
+    finally:
+        kill(*agents)
+
+
+def assert_no_worker_left(tag: str) -> None:
+    """No process runs whose command line contains ``tag`` (unique to the test's workers)."""
+    leftovers = subprocess.run(["pgrep", "-f", tag], capture_output=True, text=True, timeout=10)
+    assert leftovers.stdout.strip() == "", f"orphan workers: {leftovers.stdout.split()}"

@@ -52,9 +52,14 @@ __all__ = [
     "redis_server",
     "redis_server_session",
     "require_binary",
+    "restart_redis",
+    "spawn_etcd",
+    "spawn_redis",
     "start_etcd",
     "start_prometheus",
     "start_redis",
+    "wait_etcd_ready",
+    "wait_redis_ready",
     "wait_until",
 ]
 
@@ -376,9 +381,13 @@ def _spawn(
     env: dict[str, str] | None = None,
     **extra: Any,
 ) -> _S:
-    """Start ``argv`` in a new session with output going to a log file."""
+    """Start ``argv`` in a new session with output going to a log file.
+
+    The log is appended to, so a server started again on its directory keeps the log of
+    its first life.
+    """
     log_path = data_dir / f"{name}.log"
-    with open(log_path, "wb") as log:
+    with open(log_path, "ab") as log:
         process = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
@@ -474,45 +483,67 @@ def start_etcd(
     ``/health`` only turns true once the member has elected itself leader,
     so the server accepts writes as soon as this returns.
     """
-    binary = require_binary("etcd", _DEBIAN_PACKAGES["etcd"])
-    # ETCD_* variables from the environment would be merged with our flags
-    # (and etcd refuses to start when both name the same setting).
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD_")}
 
     def attempt() -> EtcdServer:
         data_dir = _fresh_dir(tmp_dir, "etcd-")
-        client_port, peer_port = free_port(), free_port()
-        client_url = f"http://127.0.0.1:{client_port}"
-        peer_url = f"http://127.0.0.1:{peer_port}"
-        argv = [
-            binary,
-            "--name", "default",
-            "--data-dir", str(data_dir / "data"),
-            "--listen-client-urls", client_url,
-            "--advertise-client-urls", client_url,
-            "--listen-peer-urls", peer_url,
-            "--initial-advertise-peer-urls", peer_url,
-            "--initial-cluster", f"default={peer_url}",
-            "--initial-cluster-state", "new",
-            # Unique token: a stray member from another test can't join us.
-            "--initial-cluster-token", f"rallypoint-test-{data_dir.name}",
-            "--logger", "zap",
-            "--log-outputs", "stderr",
-            "--log-level", "warn",
-            *extra_args,
-        ]  # fmt: skip
-        server = _spawn(
-            EtcdServer, "etcd", binary, argv, data_dir,
-            {"client": client_port, "peer": peer_port}, env=env,
-        )  # fmt: skip
-        _wait_ready(
-            server,
-            lambda: _http_ok(f"{client_url}/health", _etcd_healthy),
-            timeout,
+        server = spawn_etcd(
+            data_dir, client_port=free_port(), peer_port=free_port(), extra_args=extra_args
         )
+        wait_etcd_ready(server, timeout)
         return server
 
     return _start_with_retries(attempt)
+
+
+def spawn_etcd(
+    data_dir: Path,
+    *,
+    client_port: int,
+    peer_port: int,
+    name: str = "default",
+    cluster: str | None = None,
+    state: str = "new",
+    token: str | None = None,
+    extra_urls: Sequence[str] = (),
+    extra_args: Sequence[str] = (),
+) -> EtcdServer:
+    """Start one etcd member on ``data_dir`` without waiting for it (see wait_etcd_ready).
+
+    The members of a cluster become healthy only together, and one started again on its
+    ``data_dir`` (``state="existing"``) keeps its data. ``cluster`` defaults to this member
+    alone; ``extra_urls`` are more client listeners (``https://...``).
+    """
+    binary = require_binary("etcd", _DEBIAN_PACKAGES["etcd"])
+    data_dir.mkdir(parents=True, exist_ok=True)
+    client_url = f"http://127.0.0.1:{client_port}"
+    peer_url = f"http://127.0.0.1:{peer_port}"
+    argv = [
+        binary,
+        "--name", name,
+        "--data-dir", str(data_dir / "data"),
+        "--listen-client-urls", ",".join([client_url, *extra_urls]),
+        "--advertise-client-urls", client_url,
+        "--listen-peer-urls", peer_url,
+        "--initial-advertise-peer-urls", peer_url,
+        "--initial-cluster", cluster or f"{name}={peer_url}",
+        "--initial-cluster-state", state,
+        # Unique token: a stray member from another test can't join us.
+        "--initial-cluster-token", token or f"rallypoint-test-{data_dir}",
+        "--logger", "zap",
+        "--log-outputs", "stderr",
+        "--log-level", "warn",
+        *extra_args,
+    ]  # fmt: skip
+    # ETCD_* variables from the environment would be merged with our flags
+    # (and etcd refuses to start when both name the same setting).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD_")}
+    ports = {"client": client_port, "peer": peer_port}
+    return _spawn(EtcdServer, "etcd", binary, argv, data_dir, ports, env=env)
+
+
+def wait_etcd_ready(server: EtcdServer, timeout: float = DEFAULT_READY_TIMEOUT) -> None:
+    """Until ``server``'s ``/health`` is true (its cluster has a leader); else stop it, raise."""
+    _wait_ready(server, lambda: _http_ok(f"{server.url}/health", _etcd_healthy), timeout)
 
 
 def _etcd_healthy(body: bytes) -> bool:
@@ -549,11 +580,30 @@ def start_redis(
             "--daemonize", "no",
             *extra_args,
         ]  # fmt: skip
-        server = _spawn(RedisServer, "redis", binary, argv, data_dir, {"redis": port})
-        _wait_ready(server, lambda: _redis_answers("127.0.0.1", port), timeout)
+        server = spawn_redis(argv, data_dir, port)
+        wait_redis_ready(server, timeout)
         return server
 
     return _start_with_retries(attempt)
+
+
+def spawn_redis(argv: list[str], data_dir: Path, port: int, name: str = "redis") -> RedisServer:
+    """Start a redis-server (or a sentinel: ``redis-server FILE --sentinel``) from ``argv``,
+    listening on ``port``, without waiting for it (see wait_redis_ready)."""
+    return _spawn(RedisServer, name, argv[0], argv, data_dir, {"redis": port})
+
+
+def wait_redis_ready(server: RedisServer, timeout: float = DEFAULT_READY_TIMEOUT) -> None:
+    """Until ``server`` answers PING; else stop it and raise."""
+    _wait_ready(server, lambda: _redis_answers(server.host, server.port), timeout)
+
+
+def restart_redis(server: RedisServer, timeout: float = DEFAULT_READY_TIMEOUT) -> RedisServer:
+    """Stop ``server`` and start it again on its port and directory (with its data)."""
+    server.stop()
+    again = spawn_redis(server.argv, server.data_dir, server.port, server.name)
+    wait_redis_ready(again, timeout)
+    return again
 
 
 def _redis_answers(host: str, port: int) -> bool:

@@ -13,14 +13,24 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from launch import RALLYPOINT, clean_environment, worker
+import launch
+from launch import (
+    assert_no_worker_left,
+    exit_codes,
+    kill,
+    rallypoint,
+    start_rallypoint,
+    wait_for_port,
+    wait_for_text,
+    worker,
+)
 from rallypoint.rendezvous.memory import MemoryStore
 from rallypoint.rendezvous.protocol import RetryingStore
 from rallypoint.rendezvous.store import StoreError, StoreUnavailable
+from rallypoint.rendezvous.tcpstore import TCPStoreClient
 from servers import free_port
 
 pytestmark = pytest.mark.usefixtures("agent_tmpdir")
@@ -32,52 +42,28 @@ pytestmark = pytest.mark.usefixtures("agent_tmpdir")
 def start_agent(
     port: int, run_id: str, nnodes: str, *args: str, log: Path, nproc: int = 2
 ) -> subprocess.Popen[str]:
-    command = [
-        RALLYPOINT, "run", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
-        "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-        "--rdzv-id", run_id, "--rdzv-conf", "heartbeat_timeout=3,last_call_timeout=1", *args,
-    ]  # fmt: skip
-    return _popen(command, log)
-
-
-def start_static(port: int, nnodes: int, node_rank: int, *args: str, log: Path) -> Any:
-    command = [
-        RALLYPOINT, "run", "--nnodes", str(nnodes), "--nproc-per-node", "2",
-        "--node-rank", str(node_rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
-        "--rdzv-conf", "join_timeout=60", *args,
-    ]  # fmt: skip
-    return _popen(command, log)
-
-
-def _popen(command: list[str], log: Path) -> subprocess.Popen[str]:
-    handle = log.open("w")
-    return subprocess.Popen(
-        command, env=clean_environment(), stdout=handle, stderr=subprocess.STDOUT, text=True
+    conf = "heartbeat_timeout=3,last_call_timeout=1"
+    endpoint = f"127.0.0.1:{port}"
+    return launch.start_agent(
+        "c10d", endpoint, run_id, nnodes, *args, conf=conf, log=log, nproc=nproc
     )
 
 
-def wait_for_store(port: int, timeout: float = 60) -> None:
-    """Until the first agent hosts the c10d store, so the next one does not."""
-    import socket
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise AssertionError(f"no store on port {port}")
+def start_static(
+    port: int, nnodes: int, node_rank: int, *args: str, log: Path
+) -> subprocess.Popen[str]:
+    return start_rallypoint(
+        "run", "--nnodes", str(nnodes), "--nproc-per-node", "2",
+        "--node-rank", str(node_rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
+        "--rdzv-conf", "join_timeout=60", *args, log=log,
+    )  # fmt: skip
 
 
 def test_two_nodes_all_reduce(tmp_path: Path) -> None:
     port = free_port()
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
     agents = [start_agent(port, "job", "2", worker("allreduce.py"), "5", log=log) for log in logs]
-    try:
-        codes = [agent.wait(timeout=180) for agent in agents]
-    finally:
-        for agent in agents:
-            agent.kill()
+    codes = exit_codes(agents, timeout=180)
     output = "".join(log.read_text() for log in logs)
     assert codes == [0, 0], output
     for rank in range(4):
@@ -90,62 +76,45 @@ def test_a_killed_node_leaves_no_orphan_and_the_survivor_trains_on(tmp_path: Pat
     survivor = start_agent(
         port, "job", "1:2", worker("steps.py"), "30", str(tmp_path), log=survivor_log
     )
-    wait_for_store(port)  # the survivor hosts the store; losing its host ends a c10d job
+    wait_for_port(port)  # the survivor hosts the store; losing its host ends a c10d job
     victim = start_agent(
         port, "job", "1:2", worker("steps.py"), "30", str(tmp_path), log=victim_log
     )
     try:
-        deadline = time.monotonic() + 120
-        while "world=4" not in survivor_log.read_text() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert "world=4" in survivor_log.read_text(), survivor_log.read_text()
+        wait_for_text(survivor_log, "world=4")
         killed_at = time.time()
-        victim.kill()
-        victim.wait(timeout=30)
-        deadline = time.monotonic() + 120
-        while "world=2 sum=2" not in survivor_log.read_text() and time.monotonic() < deadline:
-            time.sleep(0.2)
+        kill(victim)
+        wait_for_text(survivor_log, "world=2 sum=2")
         survivor.terminate()  # it trains on: enough seen, stop it gracefully
         assert survivor.wait(timeout=60) == 128 + signal.SIGTERM, survivor_log.read_text()
     finally:
-        survivor.kill()
-        victim.kill()
+        kill(survivor, victim)
     text = survivor_log.read_text()
     resumed = [float(t) for t in re.findall(r"world=2 sum=2 at=([\d.]+)", text)]
     assert resumed, text
     # heartbeat_timeout=3: the round re-forms within it; the new workers need ~2 s to start.
     assert resumed[0] - killed_at < 3 + 6, f"resumed after {resumed[0] - killed_at:.1f} s"
-    leftovers = subprocess.run(
-        ["pgrep", "-f", f"steps.py 30 {tmp_path}"], capture_output=True, text=True, timeout=10
-    )
-    assert leftovers.stdout.strip() == "", "orphan workers"
+    assert_no_worker_left(f"steps.py 30 {tmp_path}")
 
 
 def test_a_node_joining_a_running_job_scales_it_up(tmp_path: Path) -> None:
     port = free_port()
     first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
     first = start_agent(port, "job", "1:2", worker("steps.py"), "25", str(tmp_path), log=first_log)
-    wait_for_store(port)
+    wait_for_port(port)
     second = None
     try:
-        deadline = time.monotonic() + 120
-        while "world=2 sum=2" not in first_log.read_text() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert "world=2 sum=2" in first_log.read_text(), first_log.read_text()
+        wait_for_text(first_log, "world=2 sum=2")
         second = start_agent(
             port, "job", "1:2", worker("steps.py"), "25", str(tmp_path), log=second_log
         )
-        deadline = time.monotonic() + 120
-        while "world=4 sum=4" not in second_log.read_text() and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_for_text(second_log, "world=4 sum=4")
         second.terminate()  # both trained at world size 4: stop them gracefully
         first.terminate()
         assert second.wait(timeout=60) == 128 + signal.SIGTERM, second_log.read_text()
         assert first.wait(timeout=60) == 128 + signal.SIGTERM, first_log.read_text()
     finally:
-        first.kill()
-        if second is not None:
-            second.kill()
+        kill(first, second)
     assert "world=4 sum=4" in first_log.read_text()
     assert "world=4 sum=4" in second_log.read_text()
     # A membership change does not use up a restart.
@@ -156,53 +125,37 @@ def test_losing_the_store_host_is_reported_clearly(tmp_path: Path) -> None:
     port = free_port()
     host_log, other_log = tmp_path / "host.log", tmp_path / "other.log"
     host = start_agent(port, "job", "2", worker("steps.py"), "30", str(tmp_path), log=host_log)
-    wait_for_store(port)
+    wait_for_port(port)
     other = start_agent(port, "job", "2", worker("steps.py"), "30", str(tmp_path), log=other_log)
     try:
-        deadline = time.monotonic() + 120
-        while "world=4" not in other_log.read_text() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        host.kill()
-        host.wait(timeout=30)
+        wait_for_text(other_log, "world=4")
+        kill(host)
         assert other.wait(timeout=60) == 1
     finally:
-        host.kill()
-        other.kill()
+        kill(host, other)
     assert "the agent hosting it may have died" in other_log.read_text()
     assert "Traceback" not in other_log.read_text().split("rallypoint: error:")[-1]
-    leftovers = subprocess.run(
-        ["pgrep", "-f", f"steps.py 30 {tmp_path}"], capture_output=True, text=True, timeout=10
-    )
-    assert leftovers.stdout.strip() == "", "orphan workers"
+    assert_no_worker_left(f"steps.py 30 {tmp_path}")
 
 
 def test_rendezvous_status_shows_the_running_round(tmp_path: Path) -> None:
     port = free_port()
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
     agents = [start_agent(port, "job", "2", worker("steps.py"), "30", str(tmp_path), log=logs[0])]
-    wait_for_store(port)
+    wait_for_port(port)
     agents.append(
         start_agent(port, "job", "2", worker("steps.py"), "30", str(tmp_path), log=logs[1])
     )
     try:
-        deadline = time.monotonic() + 120
-        while "world=4" not in logs[0].read_text() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert "world=4" in logs[0].read_text(), logs[0].read_text()
+        wait_for_text(logs[0], "world=4")
         endpoint = f"127.0.0.1:{port}"
         common = ["--rdzv-endpoint", endpoint, "--rdzv-conf", "heartbeat_timeout=3"]
-        result = subprocess.run(
-            [RALLYPOINT, "rendezvous", "status", "--rdzv-id", "job", *common, "--json"],
-            env=clean_environment(), capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
-        other = subprocess.run(
-            [RALLYPOINT, "rendezvous", "status", "--rdzv-id", "other-job", *common],
-            env=clean_environment(), capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+        result = rallypoint(
+            "rendezvous", "status", "--rdzv-id", "job", *common, "--json", timeout=60
+        )
+        other = rallypoint("rendezvous", "status", "--rdzv-id", "other-job", *common, timeout=60)
     finally:
-        for agent in agents:
-            agent.kill()
-            agent.wait(timeout=30)
+        kill(*agents)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["round"] == 0 and not report["forming"]
@@ -217,11 +170,7 @@ def test_static_nodes_take_the_node_ranks_given(tmp_path: Path) -> None:
     logs = {rank: tmp_path / f"node{rank}.log" for rank in (1, 0)}
     # Node rank 1 first: it waits for node rank 0, which hosts the store.
     agents = [start_static(port, 2, r, worker("allreduce.py"), "5", log=logs[r]) for r in logs]
-    try:
-        codes = [agent.wait(timeout=180) for agent in agents]
-    finally:
-        for agent in agents:
-            agent.kill()
+    codes = exit_codes(agents, timeout=180)
     output = {rank: log.read_text() for rank, log in logs.items()}
     assert codes == [0, 0], output
     for node_rank, text in output.items():
@@ -238,11 +187,7 @@ def test_static_nodes_with_the_same_node_rank_are_a_clear_error(tmp_path: Path) 
         start_static(port, 3, rank, worker("allreduce.py"), "5", log=log)
         for rank, log in zip(ranks, logs, strict=True)
     ]
-    try:
-        codes = [agent.wait(timeout=120) for agent in agents]
-    finally:
-        for agent in agents:
-            agent.kill()
+    codes = exit_codes(agents, timeout=120)
     texts = [log.read_text() for log in logs]
     assert all(code != 0 for code in codes), texts
     for text in texts:
@@ -260,16 +205,16 @@ def test_two_runs_on_one_store_never_mix(tmp_path: Path) -> None:
 
     def start(index: int) -> subprocess.Popen[str]:
         script = ["--event-log", str(events[index]), worker("allreduce.py"), "3"]
-        return start_agent(port, runs[index], "2", *script, log=logs[index], nproc=1)
+        conf = ["--rdzv-conf", "is_host=false,last_call_timeout=1"]
+        return start_agent(port, runs[index], "2", *conf, *script, log=logs[index], nproc=1)
 
-    agents = [start(0)]
-    wait_for_store(port)
-    agents += [start(index) for index in range(1, 4)]
+    # The store outlives both jobs (an agent hosting it would end it when its job ends).
+    store = TCPStoreClient("127.0.0.1", port, is_host=True, timeout=30)
     try:
-        codes = [agent.wait(timeout=180) for agent in agents]
+        agents = [start(index) for index in range(4)]
+        codes = exit_codes(agents, timeout=180)
     finally:
-        for agent in agents:
-            agent.kill()
+        store.close()
     texts = [log.read_text() for log in logs]
     assert codes == [0, 0, 0, 0], texts
     # Each run's two nodes are each other's members, and nobody else's.
@@ -284,8 +229,6 @@ def test_two_runs_on_one_store_never_mix(tmp_path: Path) -> None:
 
 
 def test_a_malformed_record_in_the_store_is_a_clear_error(tmp_path: Path) -> None:
-    from rallypoint.rendezvous.tcpstore import TCPStoreClient
-
     port = free_port()
     store = TCPStoreClient("127.0.0.1", port, is_host=True, timeout=30)
     try:

@@ -64,7 +64,9 @@ def register(app: typer.Typer, pm: PluginManager) -> None:
             None, metavar="[ARGS]...", show_default=False, help="Arguments for the script."
         ),
         nnodes: str = flag(
-            "nnodes", "1:1", "Number of nodes N, a range MIN:MAX for an elastic job, or auto (Slurm)."
+            "nnodes",
+            "1:1",
+            "Number of nodes N, a range MIN:MAX for an elastic job, or auto (Slurm).",
         ),
         nproc_per_node: str = flag(
             "nproc-per-node", "1", "Workers per node: a number, or auto, cpu, gpu, xpu."

@@ -26,6 +26,7 @@ seconds; running workers are not touched meanwhile.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -51,6 +52,8 @@ PROGRESS_INTERVAL = 5.0
 #: how long closing the handler waits for the thread.
 WAKE_SLICE = 0.5
 DEFAULT_PREFIX = "/rallypoint"
+#: The longest a node hosting the store waits, when it leaves, for the others to leave.
+LEAVE_GRACE = 5.0
 
 
 class RendezvousTimeout(RallypointError):
@@ -201,6 +204,7 @@ class StoreRendezvous:
         self.round: int | None = None
         self.rank: int | None = None
         self.record: records.RoundRecord | None = None
+        self._last_joined: int | None = None
         self._port: PortReservation | None = None
         self._stop_heartbeat = threading.Event()
         self._wake_heartbeat = threading.Event()  # set when joining ends, or to stop
@@ -291,6 +295,8 @@ class StoreRendezvous:
             logger.warning("exit barrier: not every node finished within %.0f s", timeout)
 
     def close(self) -> None:
+        with contextlib.suppress(StoreError):  # a store that is gone needs telling nothing
+            self._leave()
         if not self._stop_heartbeats():
             self._beat_store.close()  # else the heartbeat thread closes its store as it ends
         if self._port is not None:
@@ -300,9 +306,30 @@ class StoreRendezvous:
 
     # --- joining --------------------------------------------------------------------------
 
+    def _leave(self) -> None:
+        """Say that this node leaves. A node whose process hosts the store (c10d, static)
+        takes the store with it, so it first waits, at most LEAVE_GRACE seconds, for the
+        other nodes of its last round to leave: they may still have to read how the round
+        ended (a leader's error, the exit barrier)."""
+        round_ = self._last_joined
+        if round_ is None:
+            return
+        store = self.store.store  # no retries: leaving must not wait out an outage
+        left = store.add(self.keys.of_round(round_, "left"), 1)
+        store.set(self.keys.of_round(round_, "left", left), b"1")
+        if not getattr(store, "hosting", False):
+            return
+        if self.record is not None and self.record.round == round_:
+            nodes = len(self.record.node_ids)
+        else:
+            nodes = store.add(self.keys.of_round(round_, "joined"), 0)
+        if nodes > left:
+            store.wait([self.keys.of_round(round_, "left", nodes)], LEAVE_GRACE)
+
     def _join(self, round_: int, deadline: float) -> records.RoundRecord | None:
         """Join ``round_``; return its record if this node is a member, None if too late."""
         self._port = self._reserve_port()
+        self._last_joined = round_
         index = self.store.add(self.keys.of_round(round_, "joined"), 1)
         mine = records.NodeRecord(
             node_id=self.node.node_id,

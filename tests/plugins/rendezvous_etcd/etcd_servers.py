@@ -1,97 +1,23 @@
 """etcd servers the shared fixtures (tests/servers.py) do not start: one serving TLS, one
 with authentication, a three-member cluster, and one that is restarted on its data dir.
 
-Every server runs its own binary on free loopback ports in the test's directory; readiness
-is etcd's ``/health`` on a plain-HTTP client listener each of them also has.
+Every server runs its own binary on free loopback ports in the test's directory (started by
+``servers.spawn_etcd``); readiness is etcd's ``/health`` on a plain-HTTP client listener each
+of them also has.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import signal
 import subprocess
-import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from servers import EtcdServer, free_port, require_binary, wait_until
-
-READY_TIMEOUT = 30.0
-
-
-def launch(
-    directory: Path,
-    name: str,
-    *,
-    client_port: int,
-    peer_port: int,
-    cluster: str,
-    extra_urls: Sequence[str] = (),
-    extra_args: Sequence[str] = (),
-    state: str = "new",
-    token: str | None = None,
-) -> EtcdServer:
-    """Start one etcd member on ``directory`` (its data survives a restart there)."""
-    binary = require_binary("etcd", "etcd-server")
-    directory.mkdir(parents=True, exist_ok=True)
-    client_url = f"http://127.0.0.1:{client_port}"
-    argv = [
-        binary,
-        "--name", name,
-        "--data-dir", str(directory / "data"),
-        "--listen-client-urls", ",".join([client_url, *extra_urls]),
-        "--advertise-client-urls", client_url,
-        "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
-        "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
-        "--initial-cluster", cluster,
-        "--initial-cluster-state", state,
-        "--initial-cluster-token", token or f"rallypoint-test-{directory}",
-        "--logger", "zap", "--log-outputs", "stderr", "--log-level", "warn",
-        *extra_args,
-    ]  # fmt: skip
-    log_path = directory / f"{name}.log"
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=directory,
-            env={k: v for k, v in os.environ.items() if not k.startswith("ETCD_")},
-            start_new_session=True,
-        )
-    return EtcdServer(
-        name=name,
-        binary=binary,
-        argv=argv,
-        data_dir=directory,
-        ports={"client": client_port, "peer": peer_port},
-        log_path=log_path,
-        process=process,
-    )
-
-
-_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def healthy(server: EtcdServer) -> bool:
-    """etcd's ``/health`` says true: the member is up and the cluster has a leader."""
-    try:
-        with _DIRECT.open(f"{server.url}/health", timeout=1.0) as reply:
-            return bool(json.loads(reply.read()).get("health") == "true")
-    except (OSError, ValueError):
-        return False
-
-
-def wait_healthy(server: EtcdServer, timeout: float = READY_TIMEOUT) -> None:
-    if not wait_until(lambda: server.is_running() and healthy(server), timeout):
-        server.stop()
-        raise AssertionError(f"etcd not healthy after {timeout} s:\n{server.log_tail()}")
+from servers import EtcdServer, free_port, require_binary, spawn_etcd, wait_etcd_ready
 
 
 @dataclass
@@ -108,30 +34,22 @@ class Restartable:
     def kill(self) -> None:
         self.server.process.send_signal(signal.SIGKILL)
         self.server.process.wait(timeout=10)
+        self.server.stop()  # already dead: only forgets it, so nothing stops it at exit
 
     def start(self) -> None:
-        self.server = launch(
+        self.server = spawn_etcd(
             self.directory,
-            "default",
             client_port=self.server.client_port,
             peer_port=self.server.peer_port,
-            cluster=f"default=http://127.0.0.1:{self.server.peer_port}",
             state="existing",
         )
-        wait_healthy(self.server)
+        wait_etcd_ready(self.server)
 
 
 @pytest.fixture
 def restartable_etcd(tmp_path: Path) -> Iterator[Restartable]:
-    client, peer = free_port(), free_port()
-    server = launch(
-        tmp_path / "etcd",
-        "default",
-        client_port=client,
-        peer_port=peer,
-        cluster=f"default=http://127.0.0.1:{peer}",
-    )
-    wait_healthy(server)
+    server = spawn_etcd(tmp_path / "etcd", client_port=free_port(), peer_port=free_port())
+    wait_etcd_ready(server)
     etcd = Restartable(tmp_path / "etcd", server)
     yield etcd
     etcd.server.stop()
@@ -145,9 +63,9 @@ def etcd_cluster(tmp_path: Path) -> Iterator[list[EtcdServer]]:
     peers = {name: free_port() for name in names}
     cluster = ",".join(f"{n}=http://127.0.0.1:{peers[n]}" for n in names)
     members = [
-        launch(
+        spawn_etcd(
             tmp_path / name,
-            name,
+            name=name,
             client_port=clients[name],
             peer_port=peers[name],
             cluster=cluster,
@@ -157,7 +75,7 @@ def etcd_cluster(tmp_path: Path) -> Iterator[list[EtcdServer]]:
     ]
     try:
         for member in members:
-            wait_healthy(member)
+            wait_etcd_ready(member)
         yield members
     finally:
         for member in members:
@@ -218,13 +136,11 @@ class TlsEtcd:
 
 @pytest.fixture
 def tls_etcd(tmp_path: Path, certificates: Certificates) -> Iterator[TlsEtcd]:
-    client, peer, secure = free_port(), free_port(), free_port()
-    server = launch(
+    secure = free_port()
+    server = spawn_etcd(
         tmp_path / "etcd-tls",
-        "default",
-        client_port=client,
-        peer_port=peer,
-        cluster=f"default=http://127.0.0.1:{peer}",
+        client_port=free_port(),
+        peer_port=free_port(),
         extra_urls=[f"https://127.0.0.1:{secure}"],
         extra_args=[
             "--cert-file", str(certificates.server_cert),
@@ -234,7 +150,7 @@ def tls_etcd(tmp_path: Path, certificates: Certificates) -> Iterator[TlsEtcd]:
         ],
     )  # fmt: skip
     try:
-        wait_healthy(server)
+        wait_etcd_ready(server)
         yield TlsEtcd(server, f"127.0.0.1:{secure}")
     finally:
         server.stop()

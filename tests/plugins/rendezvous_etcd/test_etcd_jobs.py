@@ -12,35 +12,26 @@ from typing import Any
 import pytest
 from etcd_servers import PASSWORD, USER, Certificates, Restartable, TlsEtcd
 
-from launch import RALLYPOINT, clean_environment, worker
+import launch
+from launch import assert_no_worker_left, exit_codes, kill, rallypoint, wait_for_text, worker
 from servers import EtcdServer, free_port
 
 pytestmark = pytest.mark.usefixtures("agent_tmpdir")
 
 # Dead agents are found within lease_ttl (their lease expires) + heartbeat_timeout / 3.
 CONF = "heartbeat_timeout=3,lease_ttl=3,last_call_timeout=1,connect_timeout=5"
+WAIT = 90  # seconds for an agent to print what it does at a stage of the job
 
 
 def start_agent(
     endpoint: str, nnodes: str, *script: str, log: Path, nproc: int = 2, conf: str = CONF
 ) -> subprocess.Popen[str]:
-    command = [
-        RALLYPOINT, "run", "--nnodes", nnodes, "--nproc-per-node", str(nproc), "--max-restarts", "3",
-        "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint, "--rdzv-id", "job",
-        "--rdzv-conf", conf, "--event-log", str(log.with_suffix(".jsonl")), *script,
-    ]  # fmt: skip
-    handle = log.open("w")
-    return subprocess.Popen(
-        command, env=clean_environment(), stdout=handle, stderr=subprocess.STDOUT, text=True
-    )
-
-
-def wait_for_text(log: Path, text: str, timeout: float = 90) -> None:
-    """Until ``text`` is in ``log`` (the agents' output is the only signal they give)."""
-    deadline = time.monotonic() + timeout
-    while text not in log.read_text():
-        assert time.monotonic() < deadline, f"{text!r} never appeared:\n{log.read_text()}"
-        time.sleep(0.1)
+    """An agent of run ``job`` writing its events next to ``log`` (``.jsonl``)."""
+    event_log = str(log.with_suffix(".jsonl"))
+    return launch.start_agent(
+        "etcd", endpoint, "job", nnodes, "--event-log", event_log, *script,
+        conf=conf, log=log, nproc=nproc,
+    )  # fmt: skip
 
 
 def events(log: Path, name: str) -> list[dict[str, Any]]:
@@ -49,20 +40,14 @@ def events(log: Path, name: str) -> list[dict[str, Any]]:
 
 
 def finish(agents: list[subprocess.Popen[str]], logs: list[Path], timeout: float = 90) -> None:
-    try:
-        codes = [agent.wait(timeout=timeout) for agent in agents]
-    finally:
-        for agent in agents:
-            agent.kill()
-            agent.wait(timeout=30)
+    codes = exit_codes(agents, timeout)
     assert codes == [0] * len(agents), "\n".join(log.read_text() for log in logs)
 
 
 def status(endpoint: str, *args: str, run_id: str = "job") -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [RALLYPOINT, "rendezvous", "status", "--rdzv-backend", "etcd",
-         "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, *args],
-        env=clean_environment(), capture_output=True, text=True, timeout=60,
+    return rallypoint(
+        "rendezvous", "status", "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint,
+        "--rdzv-id", run_id, *args, timeout=60,
     )  # fmt: skip
 
 
@@ -76,7 +61,7 @@ def test_two_agents_train_together_and_status_shows_them(
     script = (worker("steps.py"), "4", str(tmp_path))
     agents = [start_agent(etcd_server.endpoint, "2", *script, log=log) for log in logs]
     try:
-        wait_for_text(logs[0], "world=4 sum=4")
+        wait_for_text(logs[0], "world=4 sum=4", WAIT)
         report = status(etcd_server.endpoint, "--rdzv-conf", "heartbeat_timeout=3", "--json")
         other = status(etcd_server.endpoint, run_id="other-job")
     finally:
@@ -102,24 +87,19 @@ def test_a_killed_agent_lease_expires_and_the_survivor_trains_alone(
     survivor = start_agent(etcd_server.endpoint, "1:2", *script, log=survivor_log)
     victim = start_agent(etcd_server.endpoint, "1:2", *script, log=victim_log)
     try:
-        wait_for_text(survivor_log, "world=4 sum=4")
+        wait_for_text(survivor_log, "world=4 sum=4", WAIT)
         killed_at = time.time()
-        victim.kill()  # SIGKILL: nothing revokes its lease, etcd expires it
-        victim.wait(timeout=30)
+        kill(victim)  # nothing revokes its lease: etcd expires it
         assert survivor.wait(timeout=90) == 0, survivor_log.read_text()
     finally:
-        survivor.kill()
-        victim.kill()
+        kill(survivor, victim)
     text = survivor_log.read_text()
     assert "world=2 sum=2" in text, text
     rounds = events(survivor_log, "rendezvous_completed")
     assert [r["group_world_size"] for r in rounds] == [2, 1], rounds
     # lease_ttl=3: the new round within lease_ttl + 2 s of the kill.
     assert rounds[1]["wall_time"] - killed_at < 3 + 2, rounds[1]["wall_time"] - killed_at
-    leftovers = subprocess.run(
-        ["pgrep", "-f", f"steps.py 3 {tmp_path}"], capture_output=True, text=True, timeout=10
-    )
-    assert leftovers.stdout.strip() == "", "orphan workers"
+    assert_no_worker_left(f"steps.py 3 {tmp_path}")
 
 
 def test_a_third_node_joins_a_running_job(etcd_server: EtcdServer, tmp_path: Path) -> None:
@@ -129,9 +109,9 @@ def test_a_third_node_joins_a_running_job(etcd_server: EtcdServer, tmp_path: Pat
         start_agent(etcd_server.endpoint, "1:3", *script, log=log, nproc=1) for log in logs[:2]
     ]
     try:
-        wait_for_text(logs[0], "world=2 sum=2")
+        wait_for_text(logs[0], "world=2 sum=2", WAIT)
         agents.append(start_agent(etcd_server.endpoint, "1:3", *script, log=logs[2], nproc=1))
-        wait_for_text(logs[2], "world=3 sum=3")
+        wait_for_text(logs[2], "world=3 sum=3", WAIT)
     finally:
         finish(agents, logs)
     for log in logs:
@@ -146,7 +126,7 @@ def test_the_job_rides_out_an_etcd_restart(restartable_etcd: Restartable, tmp_pa
         start_agent(restartable_etcd.endpoint, "2", *script, log=log, nproc=1) for log in logs
     ]
     try:
-        wait_for_text(logs[0], "world=2 sum=2")
+        wait_for_text(logs[0], "world=2 sum=2", WAIT)
         restartable_etcd.kill()
         restartable_etcd.start()  # same data dir and ports
     finally:
@@ -164,7 +144,7 @@ def test_the_job_fails_over_when_a_cluster_member_dies(
     script = (worker("steps.py"), "4", str(tmp_path))
     agents = [start_agent(endpoints, "2", *script, log=log, nproc=1) for log in logs]
     try:
-        wait_for_text(logs[0], "world=2 sum=2")
+        wait_for_text(logs[0], "world=2 sum=2", WAIT)
         etcd_cluster[0].stop()  # the member both agents talk to (the first that answered)
     finally:
         finish(agents, logs)
@@ -177,11 +157,10 @@ def test_the_job_fails_over_when_a_cluster_member_dies(
 
 
 def run_fails(endpoint: str, conf: str, tmp_path: Path) -> str:
-    result = subprocess.run(
-        [RALLYPOINT, "run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "etcd",
-         "--rdzv-endpoint", endpoint, "--rdzv-id", "job", "--rdzv-conf", conf,
-         worker("allreduce.py"), "1"],
-        env=clean_environment(), capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    result = rallypoint(
+        "run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "etcd",
+        "--rdzv-endpoint", endpoint, "--rdzv-id", "job", "--rdzv-conf", conf,
+        worker("allreduce.py"), "1", cwd=tmp_path, timeout=60,
     )  # fmt: skip
     output = result.stdout + result.stderr
     assert result.returncode != 0, output

@@ -1,63 +1,25 @@
-"""Redis deployments for the redis backend's tests, built on tests/servers.py: a server
-restarted on its port with its data, TLS with certificates made by the openssl CLI, and a
-Sentinel group on loopback. Real binaries, free loopback ports, temporary directories."""
+"""Redis deployments for the redis backend's tests, built on tests/servers.py (which also
+restarts a server on its port with its data): TLS with certificates made by the openssl CLI,
+and a Sentinel group on loopback. Real binaries, free loopback ports, temporary directories."""
 
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from launch import RALLYPOINT, clean_environment
-from servers import RedisServer, free_port, require_binary, start_redis, wait_until
-
-
-def redis_answers(port: int, timeout: float = 1.0) -> bool:
-    """A RESP PING on a raw socket gets +PONG (or -NOAUTH: up, with a password)."""
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
-            sock.sendall(b"*1\r\n$4\r\nPING\r\n")
-            return sock.recv(64).startswith((b"+PONG", b"-NOAUTH"))
-    except OSError:
-        return False
-
-
-def spawn(argv: list[str], data_dir: Path, name: str, port: int) -> RedisServer:
-    """Start a redis-server (or sentinel) ``argv`` in its own session; wait for PING."""
-    log_path = data_dir / f"{name}.log"
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=data_dir,
-            start_new_session=True,
-        )
-    server = RedisServer(
-        name=name,
-        binary=argv[0],
-        argv=argv,
-        data_dir=data_dir,
-        ports={"redis": port},
-        log_path=log_path,
-        process=process,
-    )
-    if not wait_until(lambda: not server.is_running() or redis_answers(port), 30):
-        server.stop()
-        raise AssertionError(f"{name} on port {port} never answered:\n{server.log_tail()}")
-    if not server.is_running():
-        raise AssertionError(f"{name} on port {port} exited:\n{server.log_tail()}")
-    return server
-
-
-def restart(server: RedisServer) -> RedisServer:
-    """Stop ``server`` and start it again on its port, with its directory (and data)."""
-    server.stop()
-    return spawn(server.argv, server.data_dir, server.name, server.port)
+from launch import rallypoint
+from servers import (
+    RedisServer,
+    free_port,
+    require_binary,
+    spawn_redis,
+    start_redis,
+    wait_redis_ready,
+    wait_until,
+)
 
 
 @dataclass
@@ -169,8 +131,9 @@ def sentinel_group(tmp_path: Path, sentinels: int = 3) -> Iterator[SentinelGroup
                 f"sentinel failover-timeout {group.name} 10000\n"
                 f"sentinel parallel-syncs {group.name} 1\n"
             )
-            sentinel = spawn([binary, str(config), "--sentinel"], directory, "sentinel", port)
+            sentinel = spawn_redis([binary, str(config), "--sentinel"], directory, port, "sentinel")
             started.append(sentinel)
+            wait_redis_ready(sentinel)
             group.sentinels.append(sentinel)
         # Every sentinel knows the master before a test relies on failover.
         assert wait_until(lambda: group.master_port() == master.port, 30)
@@ -184,10 +147,6 @@ def status(
     *args: str, env: dict[str, str] | None = None, timeout: float = 60
 ) -> subprocess.CompletedProcess[str]:
     """``rallypoint rendezvous status --rdzv-backend redis ...``."""
-    return subprocess.run(
-        [RALLYPOINT, "rendezvous", "status", "--rdzv-backend", "redis", *args],
-        env=clean_environment(env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+    return rallypoint(
+        "rendezvous", "status", "--rdzv-backend", "redis", *args, env=env, timeout=timeout
     )

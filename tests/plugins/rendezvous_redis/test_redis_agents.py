@@ -3,50 +3,27 @@ a real redis-server (restarted, or failed over by Sentinel, during training)."""
 
 from __future__ import annotations
 
+import functools
 import json
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis as redis_py
-from redis_setups import restart, sentinel_group, status
+from redis_setups import sentinel_group, status
 
-from launch import RALLYPOINT, clean_environment, worker
-from servers import RedisServer, start_redis
+import launch
+from launch import assert_no_worker_left, kill, wait_for_text, worker
+from servers import RedisServer, restart_redis, start_redis
 
 pytestmark = pytest.mark.usefixtures("agent_tmpdir")
 
 CONF = "heartbeat_timeout=3,key_ttl=2,last_call_timeout=1,retry_timeout=30"
 
 
-def start_agent(
-    endpoint: str,
-    run_id: str,
-    nnodes: str,
-    *args: str,
-    log: Path,
-    nproc: int = 2,
-    conf: str = CONF,
-) -> subprocess.Popen[str]:
-    command = [
-        RALLYPOINT, "run", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
-        "--max-restarts", "3", "--rdzv-backend", "redis", "--rdzv-endpoint", endpoint,
-        "--rdzv-id", run_id, "--rdzv-conf", conf, *args,
-    ]  # fmt: skip
-    handle = log.open("w")
-    return subprocess.Popen(
-        command, env=clean_environment(), stdout=handle, stderr=subprocess.STDOUT, text=True
-    )
-
-
-def wait_for_text(log: Path, text: str, timeout: float = 120) -> None:
-    """Until ``text`` is in ``log`` (agents print as they go; there is no event to await)."""
-    deadline = time.monotonic() + timeout
-    while text not in log.read_text():
-        assert time.monotonic() < deadline, f"{text!r} never appeared:\n{log.read_text()}"
-        time.sleep(0.1)
+#: ``start_agent(endpoint, run_id, nnodes, *args, log=..., nproc=2, conf=CONF)``
+start_agent = functools.partial(launch.start_agent, "redis", conf=CONF)
 
 
 def events(path: Path, name: str) -> list[dict[str, object]]:
@@ -77,8 +54,7 @@ def test_two_agents_all_reduce_and_status_shows_them(redis: RedisServer, tmp_pat
                         "prefix=team-a", "--json")  # fmt: skip
         codes = [agent.wait(timeout=120) for agent in agents]
     finally:
-        for agent in agents:
-            agent.kill()
+        kill(*agents)
     output = "".join(log.read_text() for log in logs)
     assert codes == [0, 0], output
     for rank in range(4):
@@ -111,12 +87,10 @@ def test_a_killed_agent_expires_and_the_survivor_trains_on(
     try:
         wait_for_text(survivor_log, "world=4")
         killed_at = time.time()
-        victim.kill()
-        victim.wait(timeout=30)
+        kill(victim)
         assert survivor.wait(timeout=120) == 0, survivor_log.read_text()
     finally:
-        survivor.kill()
-        victim.kill()
+        kill(survivor, victim)
     text = survivor_log.read_text()
     assert "world=2 sum=2" in text, text
     (again,) = [e for e in events(survivor_events, "rendezvous_completed") if e["round"] != 0]
@@ -124,10 +98,7 @@ def test_a_killed_agent_expires_and_the_survivor_trains_on(
     print(f"re-formed {reformed:.2f} s after the SIGKILL")
     # key_ttl=2: the victim's key is gone 2 s after its last refresh; +2 s to notice and form.
     assert reformed < 2 + 2, f"the survivor re-formed {reformed:.1f} s after the kill"
-    leftovers = subprocess.run(
-        ["pgrep", "-f", f"steps.py 6 {tmp_path}"], capture_output=True, text=True, timeout=10
-    )
-    assert leftovers.stdout.strip() == "", "orphan workers"
+    assert_no_worker_left(f"steps.py 6 {tmp_path}")
 
 
 def test_a_node_joining_a_running_job_scales_it_up(redis: RedisServer, tmp_path: Path) -> None:
@@ -142,9 +113,7 @@ def test_a_node_joining_a_running_job_scales_it_up(redis: RedisServer, tmp_path:
         assert first.wait(timeout=120) == 0, first_log.read_text()
         assert second.wait(timeout=120) == 0, second_log.read_text()
     finally:
-        first.kill()
-        if second is not None:
-            second.kill()
+        kill(first, second)
     assert "world=4 sum=4" in first_log.read_text()
     assert "world=4 sum=4" in second_log.read_text()
     assert "restart 1 of" not in first_log.read_text()
@@ -160,11 +129,10 @@ def test_redis_restarted_during_training_with_persistence(tmp_path: Path) -> Non
     ]
     try:
         wait_for_text(logs[0], "world=4 sum=4")
-        server = restart(server)  # down for as long as a stop and a start take
+        server = restart_redis(server)  # down for as long as a stop and a start take
         codes = [agent.wait(timeout=120) for agent in agents]
     finally:
-        for agent in agents:
-            agent.kill()
+        kill(*agents)
         server.stop()
     output = "".join(log.read_text() for log in logs)
     assert codes == [0, 0], output
@@ -200,8 +168,7 @@ def test_a_sentinel_failover_during_training(tmp_path: Path) -> None:
                 time.sleep(0.2)
             codes = [agent.wait(timeout=120) for agent in agents]
         finally:
-            for agent in agents:
-                agent.kill()
+            kill(*agents)
         output = "".join(log.read_text() for log in logs)
         assert codes == [0, 0], output
         assert "done rank=0 world=2" in output and "done rank=1 world=2" in output, output
