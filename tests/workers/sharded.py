@@ -24,4 +24,5 @@ else:
     loaded = checkpointer.load_sharded(state)
     assert loaded is not None, "no sharded checkpoint"
     print(f"rank={rank} step={loaded.step} value={state[f'shard{rank}'][0].item():g}", flush=True)
+dist.barrier()  # leave together: gloo can abort a process that tears down while a peer works
 dist.destroy_process_group()

@@ -212,7 +212,8 @@ class Checkpointer:
 
     def save_sharded(self, state: dict[str, Any], step: int) -> None:
         """Save state sharded across ranks with ``torch.distributed.checkpoint``; every
-        rank calls it. Needs a file system storage (a path shared by every node)."""
+        rank calls it, and every rank returns once the checkpoint is complete (manifest
+        written). Needs a file system storage (a path shared by every node)."""
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -221,9 +222,12 @@ class Checkpointer:
         if self.rank == 0:
             self._begin(step)
         dcp_save(state, checkpoint_id=path)
-        if dist.is_available() and dist.is_initialized():
+        distributed = dist.is_available() and dist.is_initialized()
+        if distributed:
             dist.barrier()  # every shard is written before the manifest
         if self.rank != 0:
+            if distributed:
+                dist.barrier()  # returns once rank 0 has written the manifest
             return
         files = {}
         for name in self.storage.names():
@@ -232,6 +236,8 @@ class Checkpointer:
                 with self.storage.reader(name) as handle:
                     files[name.removeprefix(f"{mf.directory(step)}/")] = _entry(handle.read())
         self._commit(step, "dcp", files)
+        if distributed:
+            dist.barrier()  # every rank returns with the checkpoint complete
         total = sum(entry.size for entry in files.values())
         seconds = time.perf_counter() - began
         worker_channel.send(
