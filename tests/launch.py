@@ -138,3 +138,26 @@ def assert_no_worker_left(tag: str) -> None:
     """No process runs whose command line contains ``tag`` (unique to the test's workers)."""
     leftovers = subprocess.run(["pgrep", "-f", tag], capture_output=True, text=True, timeout=10)
     assert leftovers.stdout.strip() == "", f"orphan workers: {leftovers.stdout.split()}"
+
+
+def pip_install_target(sources: list[Path], site: Path) -> None:
+    """``pip install`` the distributions at ``sources`` into ``site``, offline."""
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--disable-pip-version-check",
+            "-q",
+            "install",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(site),
+            *map(str, sources),
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )

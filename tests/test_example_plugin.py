@@ -22,34 +22,12 @@ from pathlib import Path
 
 import pytest
 
+from launch import pip_install_target
 from rallypoint.testing.helpers import CliRunner, clean_environment
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "docs" / "plugins" / "example-plugin"
 TIMEOUT = 120
-
-
-def pip_install_target(sources: list[Path], site: Path) -> None:
-    """``pip install`` the distributions at ``sources`` into ``site``, offline."""
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "--disable-pip-version-check",
-            "-q",
-            "install",
-            "--no-deps",
-            "--no-build-isolation",
-            "--no-index",
-            "--target",
-            str(site),
-            *map(str, sources),
-        ],
-        check=True,
-        timeout=300,
-        capture_output=True,
-    )
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from launch import pip_install_target
 from rallypoint.testing.helpers import CliRunner, clean_environment
 from rallypoint.testing.template import KINDS
 
@@ -39,25 +40,7 @@ def generated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         assert f"created plugins/rallypoint-t-{kind}: a {KINDS[kind]} plugin" in result.stdout
     plugins = root / "plugins"
     site = root / "site"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "--disable-pip-version-check",
-            "-q",
-            "install",
-            "--no-deps",
-            "--no-build-isolation",
-            "--no-index",
-            "--target",
-            str(site),
-            *sorted(str(path) for path in plugins.iterdir()),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    pip_install_target(sorted(plugins.iterdir()), site)
     return plugins, site
 
 
