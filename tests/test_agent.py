@@ -93,10 +93,17 @@ def test_a_worker_crash_is_recovered(repetition: int, tmp_path: Path) -> None:
         "agent_started",
         "rendezvous_started", "rendezvous_completed", "workers_started",
         "worker_failed",
-        "workers_restarted",
-        "rendezvous_started", "rendezvous_completed", "workers_started",
+        # After a failure, the next round tells whether a node was lost (the restart's cause).
+        "rendezvous_started", "rendezvous_completed", "workers_restarted", "workers_started",
         "agent_stopping",
     ]  # fmt: skip
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("repetition", range(20))
+def test_a_worker_crash_is_recovered_20_times_of_20(repetition: int, tmp_path: Path) -> None:
+    """The scenario torchrun recovered from in 3 runs of 10, repeated (``make soak``)."""
+    test_a_worker_crash_is_recovered(repetition, tmp_path)
 
 
 def test_no_restarts_left_fails_with_the_root_cause(tmp_path: Path) -> None:
@@ -106,13 +113,14 @@ def test_no_restarts_left_fails_with_the_root_cause(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 1
     assert "root cause: rank 1 (local rank 1)" in result.stderr
-    assert "exit code 1" in result.stderr
+    # gloo's threads may abort the exit that follows the exception (see above).
+    assert re.search(r"root cause: .*: (exit code 1|killed by SIGABRT)", result.stderr)
     assert "ValueError: boom at step 3" in result.stderr
     assert "not restarted: all 0 restarts (--max-restarts) used up" in result.stderr
     (report_path,) = tmp_path.glob("*/failure.json")
     report = json.loads(report_path.read_text())
     assert report["root_cause"]["rank"] == 1
-    assert report["root_cause"]["exit_code"] == 1
+    assert report["root_cause"]["exit_code"] == 1 or report["root_cause"]["signal"] == "SIGABRT"
     assert "ValueError: boom at step 3" in report["root_cause"]["traceback"]
 
 
@@ -347,13 +355,15 @@ def test_lifecycle_hooks_are_called_and_one_failing_hook_does_not_silence_others
     assert "plugin 'faulty': on_agent_started failed: RuntimeError: faulty hook" in result.stderr
     # Rank 0 may also fail when it notices its peer is gone: it comes after the root cause.
     lines = [line for line in calls.read_text().splitlines() if line != "failed rank 0 code 1"]
+    # gloo's threads may abort rank 1's exit after its exception: SIGABRT, no exit code.
+    lines = [line.replace("code None", "code 1") for line in lines]
     assert lines == [
         "started job9",
         "round 0 world 2",
         "workers 2",
         "failed rank 1 code 1",
+        "round 1 world 2",  # the restart is counted once the next round shows no node lost
         "restarted 1 failure",
-        "round 1 world 2",
         "workers 2",
         "stopping 0",
     ]

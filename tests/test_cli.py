@@ -177,6 +177,7 @@ def test_disable_switch_from_the_command_line(script: str) -> None:
     assert_one_line_error(result, "unknown rendezvous backend", "c10d, etcd, static")
 
 
+@pytest.mark.serial  # uninstalls a plugin from the environment every other test uses
 @pytest.mark.skipif(
     not (REPO / "plugins" / "rendezvous_redis").is_dir(), reason="needs the repository checkout"
 )

@@ -21,6 +21,14 @@ class TestTCPStore(StoreConformance):
         yield lambda: TCPStoreClient("127.0.0.1", port, is_host=False, timeout=30)
         host.close()
 
+    # TCPStore cannot list its keys: a client deletes those it (or a clone) wrote. The
+    # protocol deletes nothing there: the store ends with the agent that hosts it.
+    @pytest.mark.skip(reason="TCPStore cannot list keys: a client deletes only its own")
+    def test_delete_prefix_deletes_what_other_connections_wrote(self) -> None: ...
+
+    @pytest.mark.skip(reason="a TCPStore ends with the agent hosting it: nothing to delete")
+    def test_a_job_that_finished_cleanly_leaves_no_key(self) -> None: ...
+
 
 class TestMemoryStore(StoreConformance):
     @pytest.fixture

@@ -17,6 +17,7 @@ import typer.main
 from rallypoint import __version__
 from rallypoint.errors import RallypointError
 from rallypoint.plugins import PluginManager, get_plugin_manager
+from rallypoint.redact import redact_urls
 from rallypoint_cli import plugins_command, rendezvous_command, run_command
 
 
@@ -107,12 +108,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _parse_errors() as error:
         message = error.format_message()  # type: ignore[attr-defined]
         if message:  # empty when click has already shown the help instead
-            print(f"rallypoint: error: {message}", file=sys.stderr)
+            print(f"rallypoint: error: {_one_line(message)}", file=sys.stderr)
         return int(getattr(error, "exit_code", 2))
     except RallypointError as error:
-        print(f"rallypoint: error: {error}", file=sys.stderr)
+        print(f"rallypoint: error: {_one_line(str(error))}", file=sys.stderr)
         return error.exit_code
     return result if isinstance(result, int) else 0
+
+
+def _one_line(message: str) -> str:
+    """``message`` as one line: a value the user typed may hold a line break or a
+    terminal escape; they are shown escaped, as ``repr`` would. A password in a URL is
+    masked."""
+    text = redact_urls(message.strip())  # a safety net: messages show no URL's password
+    return "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
 
 
 def console_main() -> None:

@@ -135,6 +135,12 @@ def register(app: typer.Typer, pm: PluginManager) -> None:
             "checkpoint-dir", None, "Where workers save checkpoints: a path or URL."
         ),
         event_log: str | None = flag("event-log", None, "Append a JSON-lines log of every phase."),
+        watchdog_timeout: str | None = flag(
+            "watchdog-timeout",
+            None,
+            "Restart a worker silent this many seconds after a rallypoint.heartbeat() "
+            "(default: off).",
+        ),
     ) -> None:
         """Launch SCRIPT on this node's workers, like torchrun, and keep it running."""
         flags = dict(ctx.params)

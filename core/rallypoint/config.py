@@ -8,6 +8,7 @@ point has to validate user input again.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -81,6 +82,7 @@ class LaunchConfig:
     metrics_conf: Mapping[str, Any] = field(default_factory=dict)
     checkpoint_dir: str | None = None
     event_log: str | None = None
+    watchdog_timeout: float | None = None  # seconds without a heartbeat; None: no watchdog
 
     @property
     def elastic(self) -> bool:
@@ -105,6 +107,7 @@ class LaunchConfig:
         min_nodes, max_nodes = parse_nnodes(nnodes)
         values["min_nodes"], values["max_nodes"] = min_nodes, max_nodes
         values["nproc_per_node"] = parse_nproc_per_node(str(values.get("nproc_per_node", "1")))
+        check_run_id(str(values.get("rdzv_id", "none")))
 
         # As in torchrun: --standalone, and a one-node static job given neither an endpoint
         # nor a master port, run a local c10d rendezvous on a free port with a fresh run id.
@@ -182,6 +185,7 @@ class LaunchConfig:
                 os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT)
             )
         _check_script(values)
+        _check_outputs(values)
         return cls(**values)
 
 
@@ -190,7 +194,7 @@ class LaunchConfig:
 
 def parse_nnodes(text: str) -> tuple[int, int]:
     """``"4"`` -> ``(4, 4)``; ``"1:4"`` -> ``(1, 4)``."""
-    match = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", text)
+    match = re.fullmatch(r"\s*([0-9]+)\s*(?::\s*([0-9]+)\s*)?", text)
     if not match:
         raise UsageError(
             f"--nnodes {text!r}: expected a number of nodes N, a range MIN:MAX, "
@@ -231,7 +235,7 @@ def apply_slurm(values: dict[str, Any], environ: Mapping[str, str]) -> str:
         )
     count, node_id = environ["SLURM_JOB_NUM_NODES"].strip(), environ["SLURM_NODEID"].strip()
     job_id = environ["SLURM_JOB_ID"].strip()
-    if not (count.isdigit() and node_id.isdigit() and job_id.isdigit()):
+    if not (_digits(count) and _digits(node_id) and _digits(job_id)):
         raise UsageError(
             f"--nnodes auto: SLURM_JOB_NUM_NODES={count!r}, SLURM_NODEID={node_id!r} and "
             f"SLURM_JOB_ID={job_id!r} must be whole numbers."
@@ -285,7 +289,7 @@ def _expand_name(name: str, text: str) -> list[str]:
     expanded: list[str] = []
     for item in ranges.split(","):
         low, sep, high = item.strip().partition("-")
-        if not low.isdigit() or (sep and not (high.isdigit() and int(high) >= int(low))):
+        if not _digits(low) or (sep and not (_digits(high) and int(high) >= int(low))):
             raise UsageError(f"SLURM_JOB_NODELIST {text!r}: bad range {item!r} in {name!r}.")
         width = len(low)
         for number in range(int(low), int(high if sep else low) + 1):
@@ -296,7 +300,7 @@ def _expand_name(name: str, text: str) -> list[str]:
 def parse_nproc_per_node(text: str) -> int:
     """A positive number, or torchrun's ``cpu``, ``gpu``, ``xpu`` or ``auto``."""
     value = text.strip().lower()
-    if value.isdigit():
+    if _digits(value):
         count = int(value)
         if count < 1:
             raise UsageError(f"--nproc-per-node {text!r}: must be at least 1.")
@@ -329,6 +333,27 @@ def _accelerator_count(kind: str) -> int:
     return 0
 
 
+def _digits(text: str) -> bool:
+    """Whether ``text`` is a whole number in ASCII digits (``str.isdigit`` is true for "²",
+    which ``int`` refuses)."""
+    return text.isascii() and text.isdigit()
+
+
+#: A run id names the job's keys in the store (``<prefix>/<run id>/...``) and its run
+#: directories: no ``/`` (another job's namespace, or a path outside the directory), no
+#: spaces or control characters.
+_RUN_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:@+=-]{0,127}")
+
+
+def check_run_id(run_id: str) -> None:
+    """Refuse a ``--rdzv-id`` that could reach into another job's keys or files."""
+    if not _RUN_ID.fullmatch(run_id):
+        raise UsageError(
+            f"--rdzv-id {run_id!r}: use 1 to 128 letters, digits and . _ - : @ + =, "
+            "starting with a letter, digit or _."
+        )
+
+
 def split_list(text: str) -> list[str]:
     """``"a, b,,c"`` -> ``["a", "b", "c"]``."""
     return [part.strip() for part in text.split(",") if part.strip()]
@@ -344,7 +369,10 @@ def parse_options(
         key, sep, raw = pair.partition("=")
         key = key.strip()
         if not sep or not key:
-            raise UsageError(f"{flag} {pair!r}: expected KEY=VALUE pairs separated by commas.")
+            # "password:hunter2" is a secret with a typo: show the key only.
+            secret = next((n for n, o in declared.items() if o.secret and key.startswith(n)), "")
+            shown = f"{secret}***" if secret else pair
+            raise UsageError(f"{flag} {shown!r}: expected KEY=VALUE pairs separated by commas.")
         if key not in declared:
             valid = ", ".join(sorted(declared)) or "none"
             raise UsageError(f"{flag} {key!r}: unknown key for {owner}. Valid keys: {valid}.")
@@ -372,12 +400,12 @@ def parse_labels(pairs: Iterable[str]) -> dict[str, str]:
 def parse_std_spec(text: str, flag: str) -> dict[int, int]:
     """torchrun's stream spec: ``"3"`` for every rank, or ``"0:1,1:2"`` per local rank."""
     value = text.strip()
-    if value.isdigit():
+    if _digits(value):
         return {-1: _std_value(value, flag, text)}
     spec: dict[int, int] = {}
     for pair in split_list(value):
         rank, sep, stream = pair.partition(":")
-        if not sep or not rank.strip().isdigit():
+        if not sep or not _digits(rank.strip()):
             raise UsageError(
                 f"{flag} {text!r}: expected 0-3 for every rank, or LOCAL_RANK:0-3 pairs like 0:1,1:2."
             )
@@ -386,7 +414,7 @@ def parse_std_spec(text: str, flag: str) -> dict[int, int]:
 
 
 def _std_value(value: str, flag: str, text: str) -> int:
-    if value.isdigit() and int(value) in _STD_VALUES:
+    if _digits(value) and int(value) in _STD_VALUES:
         return int(value)
     raise UsageError(
         f"{flag} {text!r}: stream values are 0 (none), 1 (stdout), 2 (stderr), 3 (both)."
@@ -398,7 +426,7 @@ def parse_local_ranks(text: str) -> frozenset[int] | None:
     items = split_list(text)
     if not items:
         return None
-    if not all(item.isdigit() for item in items):
+    if not all(_digits(item) for item in items):
         raise UsageError(f"--local-ranks-filter {text!r}: expected local ranks like 0,1,2.")
     return frozenset(int(item) for item in items)
 
@@ -436,6 +464,7 @@ _NUMBERS: tuple[tuple[str, str, type, float, bool], ...] = (
     ("monitor_interval", "--monitor-interval", float, 0, True),
     ("shutdown_timeout", "--shutdown-timeout", float, 0, False),
     ("exit_barrier_timeout", "--exit-barrier-timeout", float, 0, False),
+    ("watchdog_timeout", "--watchdog-timeout", float, 0, False),
 )
 
 
@@ -450,10 +479,14 @@ def _parse_numbers(values: dict[str, Any]) -> None:
         except ValueError:
             what = "a whole number" if kind is int else "a number"
             raise UsageError(f"{flag} {raw!r}: expected {what}.") from None
+        if not math.isfinite(number):  # float() reads "nan" and "inf"
+            raise UsageError(f"{flag} {raw!r}: expected a finite number.")
         if number < low or (exclusive and number == low):
             bound = f"above {low:g}" if exclusive else f"at least {low:g}"
             raise UsageError(f"{flag} {raw!r}: must be {bound}.")
         values[key] = number
+    if values.get("watchdog_timeout") == 0:
+        values["watchdog_timeout"] = None  # 0 turns the watchdog off, like leaving it unset
     for key in ("master_port", "metrics_port"):
         port = values.get(key)
         if port is not None and port > 65535:
@@ -482,5 +515,26 @@ def _check_script(values: Mapping[str, Any]) -> None:
         if os.path.isfile(script) or shutil.which(script):
             return
         raise UsageError(f"training program {script!r} does not exist and is not on PATH.")
+    if os.path.isdir(script):
+        raise UsageError(f"training script {script!r} is a directory; name the script in it.")
     if not os.path.isfile(script):
         raise UsageError(f"training script {script!r} does not exist.")
+
+
+def _check_outputs(values: Mapping[str, Any]) -> None:
+    """The files the agent will write: refused now, before it joins anything, when they
+    cannot be (a directory where the event log should go, a file where a directory)."""
+    for key, want_dir in (("event_log", False), ("log_dir", True)):
+        path = values.get(key)
+        if not path:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if not want_dir and os.path.isdir(path):
+            raise UsageError(f"{flag} {path!r}: is a directory; name a file in it.")
+        if want_dir and os.path.exists(path) and not os.path.isdir(path):
+            raise UsageError(f"{flag} {path!r}: is a file; name a directory.")
+        parent = os.path.dirname(os.path.abspath(path))
+        while parent and not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if parent and not os.path.isdir(parent):
+            raise UsageError(f"{flag} {path!r}: {parent!r} is a file, not a directory.")

@@ -81,7 +81,10 @@ class WorkerFailure:
         signal: the signal's name (``"SIGKILL"``) when it died of one, else ``None``.
         message: the root cause, from the worker's error file when it wrote one, else the
             last line of the Python traceback it printed.
-        timestamp: wall-clock time of the failure (seconds since the epoch).
+        timestamp: wall-clock time of the failure (seconds since the epoch); for a worker
+            the watchdog killed, the time of its last heartbeat.
+        stalled_seconds: set when the progress watchdog (``--watchdog-timeout``) killed
+            the worker: how long it had gone without a heartbeat; ``None`` otherwise.
     """
 
     local_rank: int
@@ -91,6 +94,7 @@ class WorkerFailure:
     signal: str | None = None
     message: str = ""
     timestamp: float = 0.0
+    stalled_seconds: float | None = None
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ plugin as broken instead of taking the CLI down.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -50,8 +51,11 @@ class ConfigOption:
         type: ``str``, ``int``, ``float`` or ``bool``; values are converted to it.
         default: the value when the key is not given.
         help: one line for humans.
-        secret: never print the value (passwords).
+        secret: never print the value (passwords, private key files).
         choices: when not empty, the only values allowed (compared after conversion).
+        minimum, maximum: for numbers, the least and the greatest value allowed;
+            ``exclusive_minimum`` excludes the least itself (a timeout "above 0").
+            A float option never takes ``nan`` or ``inf``.
     """
 
     name: str
@@ -60,6 +64,9 @@ class ConfigOption:
     help: str = ""
     secret: bool = False
     choices: tuple[Any, ...] = ()
+    minimum: float | None = None
+    maximum: float | None = None
+    exclusive_minimum: bool = False
 
     def __post_init__(self) -> None:
         if self.type not in (str, int, float, bool):
@@ -70,6 +77,11 @@ class ConfigOption:
         value = self._convert(raw.strip())
         if self.choices and value not in self.choices:
             raise ValueError(f"expected one of {', '.join(map(str, self.choices))}")
+        low, high = self.minimum, self.maximum
+        if low is not None and (value < low or (self.exclusive_minimum and value == low)):
+            raise ValueError(f"must be {'above' if self.exclusive_minimum else 'at least'} {low:g}")
+        if high is not None and value > high:
+            raise ValueError(f"must be at most {high:g}")
         return value
 
     def to_dict(self) -> dict[str, Any]:
@@ -80,6 +92,8 @@ class ConfigOption:
             "default": None if self.secret else self.default,
             "help": self.help,
             "choices": list(self.choices),
+            "minimum": self.minimum,
+            "maximum": self.maximum,
         }
 
     def _convert(self, text: str) -> Any:
@@ -96,9 +110,12 @@ class ConfigOption:
                 raise ValueError("expected a whole number") from None
         if self.type is float:
             try:
-                return float(text)
+                number = float(text)
             except ValueError:
                 raise ValueError("expected a number") from None
+            if not math.isfinite(number):  # float() reads "nan" and "inf"
+                raise ValueError("expected a finite number")
+            return number
         return text
 
 
@@ -107,18 +124,42 @@ class ConfigOption:
 #: Options of the rendezvous protocol itself, shared by every backend built on it. Names and
 #: defaults follow torchrun's ``--rdzv-conf`` keys where torchrun has them.
 COMMON_RENDEZVOUS_OPTIONS: tuple[ConfigOption, ...] = (
-    ConfigOption("join_timeout", float, 600.0, "seconds to wait for MIN nodes before giving up"),
     ConfigOption(
-        "last_call_timeout", float, 30.0, "seconds to wait for more nodes once MIN have joined"
+        "join_timeout",
+        float,
+        600.0,
+        "seconds to wait for MIN nodes before giving up",
+        minimum=0,
+        exclusive_minimum=True,
     ),
     ConfigOption(
-        "close_timeout", float, 30.0, "seconds the closing node waits for joiners' records"
+        "last_call_timeout",
+        float,
+        30.0,
+        "seconds to wait for more nodes once MIN have joined",
+        minimum=0,
     ),
     ConfigOption(
-        "heartbeat_timeout", float, 15.0, "seconds without a heartbeat before a node is dead"
+        "close_timeout",
+        float,
+        30.0,
+        "seconds the closing node waits for joiners' records",
+        minimum=0,
     ),
     ConfigOption(
-        "retry_timeout", float, 60.0, "seconds to retry an unreachable store before giving up"
+        "heartbeat_timeout",
+        float,
+        15.0,
+        "seconds without a heartbeat before a node is dead",
+        minimum=0,
+        exclusive_minimum=True,
+    ),
+    ConfigOption(
+        "retry_timeout",
+        float,
+        60.0,
+        "seconds to retry an unreachable store before giving up",
+        minimum=0,
     ),
 )
 

@@ -1,4 +1,5 @@
-"""Events from workers to their agent: checkpoint saves and loads, for the metrics sinks.
+"""Events from workers to their agent: checkpoint saves and loads, for the metrics sinks,
+and heartbeats, for the watchdog (``rallypoint.progress``).
 
 The agent listens on a Unix datagram socket in the abstract namespace (nothing on disk)
 and names it in ``RALLYPOINT_EVENTS_SOCKET``; a worker sends one JSON object per event.
@@ -22,6 +23,8 @@ from rallypoint import events
 ENV = "RALLYPOINT_EVENTS_SOCKET"
 #: The events a worker may send; anything else is ignored by the agent.
 WORKER_EVENTS = frozenset({events.CHECKPOINT_SAVED, events.CHECKPOINT_LOADED})
+#: A worker's sign of progress: for the agent's watchdog only, never an event of the run.
+HEARTBEAT = "heartbeat"
 _MAX = 65536
 
 logger = logging.getLogger(__name__)
@@ -45,11 +48,17 @@ def _int_env(name: str) -> int | None:
 
 
 class Receiver:
-    """The agent's end: hands every valid worker event to ``deliver(name, data)``."""
+    """The agent's end: hands every valid worker event to ``deliver(name, data)``, and
+    every heartbeat to ``heartbeat(data)`` when given (else heartbeats are dropped)."""
 
-    def __init__(self, deliver: Callable[[str, dict[str, Any]], object]) -> None:
+    def __init__(
+        self,
+        deliver: Callable[[str, dict[str, Any]], object],
+        heartbeat: Callable[[dict[str, Any]], object] | None = None,
+    ) -> None:
         self.address = f"rallypoint-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._deliver = deliver
+        self._heartbeat = heartbeat
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._socket.bind("\0" + self.address)
         self._thread = threading.Thread(target=self._receive, daemon=True)
@@ -68,7 +77,12 @@ class Receiver:
                 name = data.pop("event")
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue
-            if name in WORKER_EVENTS:
+            if name == HEARTBEAT and self._heartbeat is not None:
+                try:
+                    self._heartbeat(data)
+                except Exception:  # a malformed heartbeat must not end the receiver
+                    logger.exception("a worker heartbeat could not be handled")
+            elif name in WORKER_EVENTS:
                 try:
                     self._deliver(name, data)
                 except Exception:  # a sink's problem must not end the receiver

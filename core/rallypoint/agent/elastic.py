@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import math
 import os
 import select
 import shutil
@@ -32,6 +33,7 @@ from rallypoint import events
 from rallypoint.agent.environment import WorkerSpec, worker_command, worker_environment
 from rallypoint.agent.eventbus import EventBus
 from rallypoint.agent.failures import FailureReport, build_report, describe_failure, failure_of
+from rallypoint.agent.watchdog import Watchdog
 from rallypoint.agent.workers import Worker, WorkerGroup, output_rule
 from rallypoint.config import LaunchConfig
 from rallypoint.events import RunInfo
@@ -50,6 +52,12 @@ EXIT_WORKER_FAILURE = 1
 
 #: Seconds a worker that printed a traceback gets to exit on its own after a peer failed.
 FINALISING_GRACE = 2.0
+
+
+class _Interrupted(BaseException):
+    """Raised by the signal handler, in the main thread, to leave a rendezvous wait (a
+    BaseException, like KeyboardInterrupt, so that no ``except Exception`` of a store
+    swallows it)."""
 
 
 class Outcome(enum.Enum):
@@ -78,9 +86,15 @@ class Agent:
         self.metrics_dir: Path | None = None  # set by _create_sinks when a sink wants it
         self._nodes_waiting = 0
         self.bus = EventBus(self.run, pm, self._create_sinks(), config.event_log)
+        self.watchdog = Watchdog(config.watchdog_timeout) if config.watchdog_timeout else None
         # Workers report checkpoint saves and loads here; they reach the bus like ours.
-        self._worker_events = Receiver(lambda name, data: self.bus.emit(name, **data))
+        # Their heartbeats go to the watchdog only.
+        self._worker_events = Receiver(
+            lambda name, data: self.bus.emit(name, **data),
+            heartbeat=None if self.watchdog is None else self.watchdog.beat,
+        )
         self.signalled: signal.Signals | None = None
+        self._interruptible = False  # in a rendezvous wait: a signal raises _Interrupted
         self._wake_read, self._wake_write = socket.socketpair()
         self._wake_read.setblocking(False)
         self._wake_write.setblocking(False)
@@ -138,10 +152,17 @@ class Agent:
         attempt = 0  # every start of the workers, whatever the cause
         uptimes: list[float] = []
         nodes: int | None = None
+        # The members of the round whose workers failed, until the next round tells whether
+        # one of them was lost: then the failure was that loss, a membership change.
+        failed_round: tuple[str, ...] | None = None
         while True:
             self.bus.emit(events.RENDEZVOUS_STARTED, restart_count=restarts)
             began = time.monotonic()
-            assignment = self.handler.next_round()
+            assignment = self._next_round()
+            if assignment is None:
+                assert self.signalled is not None
+                logger.info("received %s while in the rendezvous: leaving", self.signalled.name)
+                return 128 + int(self.signalled), f"stopped by {self.signalled.name}"
             info = assignment.info
             took = time.monotonic() - began
             self.bus.emit(events.RENDEZVOUS_COMPLETED, **asdict(info), duration_seconds=took)
@@ -160,6 +181,12 @@ class Agent:
                     events.SCALE_CHANGED, old_nodes=nodes, new_nodes=info.group_world_size
                 )
             nodes = info.group_world_size
+            if failed_round is not None:
+                cause = self._restart_cause(failed_round, info.members, restarts)
+                if cause == "failure":
+                    restarts += 1
+                self.bus.emit(events.WORKERS_RESTARTED, restart_count=restarts, cause=cause)
+                failed_round = None
 
             group = self._start_workers(assignment, restarts, attempt)
             attempt += 1
@@ -201,18 +228,48 @@ class Agent:
             if not decision.restart:
                 self._report(report, decision.reason)
                 return EXIT_WORKER_FAILURE, f"{root}; {decision.reason}"
-            restarts += 1
             logger.info(
                 "%s; restart %d of %d%s",
                 root,
-                restarts,
+                restarts + 1,
                 config.max_restarts,
                 f" in {decision.delay:.1f} s" if decision.delay else "",
             )
             if self._sleep(decision.delay):
                 return self._stop_on_signal(group)
             self.handler.request_new_round()  # every node restarts its workers with us
-            self.bus.emit(events.WORKERS_RESTARTED, restart_count=restarts, cause="failure")
+            failed_round = info.members  # counted once the next round says why it failed
+
+    def _restart_cause(
+        self, failed: tuple[str, ...], members: tuple[str, ...], restarts: int
+    ) -> str:
+        """``"membership"`` when a node of the failed round is not in the next one: it died
+        or left, and its workers' loss is what failed ours (gloo's "Connection closed by
+        peer"); it does not use up a restart. Else ``"failure"``."""
+        lost = [node for node in failed if node not in members]
+        if not lost:
+            return "failure"
+        logger.info(
+            "the failure followed the loss of node %s: a membership change, which does not "
+            "use up a restart (%d of %d used)",
+            ", ".join(lost),
+            restarts,
+            self.config.max_restarts,
+        )
+        return "membership"
+
+    def _next_round(self) -> Assignment | None:
+        """The next round; None when a signal comes first. The wait can be long (up to
+        ``join_timeout``) and there are no workers to stop yet: a signal interrupts it, so
+        that an agent told to stop (a pod deleted, a job cancelled) stops at once."""
+        try:
+            try:
+                self._interruptible = self.signalled is None
+                return self.handler.next_round() if self._interruptible else None
+            finally:
+                self._interruptible = False
+        except _Interrupted:
+            return None
 
     def _stop_on_signal(self, group: WorkerGroup) -> tuple[int, str]:
         """Forward the signal to the workers, give them the shutdown timeout, then kill."""
@@ -263,6 +320,8 @@ class Agent:
             for spec in specs
         ]
         log_dirs = [attempt_dir / str(spec.local_rank) for spec in specs]
+        if self.watchdog is not None:
+            self.watchdog.watch(time.monotonic())
         return WorkerGroup.start(
             worker_command(config), specs, environments, rules, log_dirs, config.role
         )
@@ -277,14 +336,40 @@ class Agent:
                 return Outcome.FAILED
             if not group.running():
                 return Outcome.SUCCEEDED
+            if self._kill_stalled(group):
+                return Outcome.FAILED
             waiting = self.handler.nodes_waiting()
             if waiting != self._nodes_waiting:
                 self._nodes_waiting = waiting
                 self.bus.emit(events.NODES_WAITING, nodes_waiting=waiting)
             if waiting > 0:
                 return Outcome.MEMBERSHIP_CHANGED
-            group.wait(self.config.monitor_interval, self._wake_read.fileno())
+            timeout = self.config.monitor_interval
+            if self.watchdog is not None:
+                ranks = [w.spec.local_rank for w in group.running()]
+                timeout = min(timeout, self.watchdog.seconds_left(ranks, time.monotonic()))
+            group.wait(timeout, self._wake_read.fileno())
             self._drain_wakeups()
+
+    def _kill_stalled(self, group: WorkerGroup) -> bool:
+        """Kill the running workers the watchdog finds overdue; return whether there were any."""
+        if self.watchdog is None:
+            return False
+        now = time.monotonic()
+        overdue = self.watchdog.overdue([w.spec.local_rank for w in group.running()], now)
+        stalled = [w for w in group.running() if w.spec.local_rank in overdue]
+        for worker in stalled:
+            worker.stalled_since = overdue[worker.spec.local_rank]
+            worker.stalled_for = now - worker.stalled_since
+            logger.warning(
+                "rank %d (pid %d) made no progress for %.1f s (--watchdog-timeout %g): killing it",
+                worker.spec.rank,
+                worker.pid,
+                worker.stalled_for,
+                self.watchdog.timeout,
+            )
+        group.kill(stalled)
+        return bool(stalled)
 
     def _handle_failure(self, group: WorkerGroup, restarts: int) -> FailureReport:
         """Stop the surviving workers, then announce and describe what failed.
@@ -293,7 +378,13 @@ class Agent:
         failing too, and may be the root cause: it gets a moment to exit on its own, so
         that its own exit code, not our SIGTERM, is reported.
         """
-        failing = [w for w in group.running() if w.traceback_seen is not None]
+        exited = [w for w in group.workers if w.returncode not in (None, 0)]
+        first = min((_failed_at(w, math.inf) for w in exited), default=math.inf)
+        # One whose traceback began after the first failure is its consequence (a peer
+        # lost): it is stopped at once, not waited for.
+        failing = [
+            w for w in group.running() if w.traceback_seen is not None and w.traceback_seen <= first
+        ]
         deadline = time.monotonic() + FINALISING_GRACE
         while any(w.exited is None for w in failing) and time.monotonic() < deadline:
             group.wait(deadline - time.monotonic())
@@ -338,6 +429,9 @@ class Agent:
             self.signalled = signal.Signals(signum)
         with contextlib.suppress(OSError):
             self._wake_write.send(b"\0")
+        if self._interruptible:
+            self._interruptible = False  # once: the way out (leaving the store) runs on
+            raise _Interrupted()
 
     def _drain_wakeups(self) -> None:
         try:
@@ -356,7 +450,10 @@ class Agent:
 
 
 def _failed_at(worker: Worker, default: float) -> float:
-    """When a worker failed (monotonic): its first traceback line, else its exit."""
+    """When a worker failed (monotonic): its last heartbeat when the watchdog killed it,
+    else its first traceback line, else its exit."""
+    if worker.stalled_since is not None:
+        return worker.stalled_since
     times = [t for t in (worker.traceback_seen, worker.exited) if t is not None]
     return min(times, default=default)
 

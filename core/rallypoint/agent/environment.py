@@ -74,6 +74,11 @@ def worker_environment(
         env["RALLYPOINT_EVENTS_SOCKET"] = events_socket  # see rallypoint.worker_channel
     if metrics_dir:
         env["RALLYPOINT_METRICS_DIR"] = metrics_dir  # see rallypoint.metrics
+    # rallypoint.progress sends heartbeats only when this is set (the agent's own
+    # RALLYPOINT_WATCHDOG_TIMEOUT, the flag's variable, must not reach them otherwise).
+    env.pop("RALLYPOINT_WATCHDOG_TIMEOUT", None)
+    if config.watchdog_timeout:
+        env["RALLYPOINT_WATCHDOG_TIMEOUT"] = f"{config.watchdog_timeout:g}"
     return env
 
 

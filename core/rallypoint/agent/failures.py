@@ -74,6 +74,8 @@ class FailureReport:
 
 
 def describe_exit(failure: WorkerFailure) -> str:
+    if failure.stalled_seconds is not None:
+        return f"made no progress for {failure.stalled_seconds:.1f} s (watchdog)"
     if failure.signal:
         return f"killed by {failure.signal}"
     return f"exit code {failure.exit_code}"
@@ -114,6 +116,7 @@ def failure_of(worker: Worker, wall_time: float) -> WorkerFailure:
         signal=signal_name,
         message=_read_message(worker.spec.error_file) or exception_line(worker.stderr_tail),
         timestamp=wall_time,
+        stalled_seconds=None if worker.stalled_for is None else round(worker.stalled_for, 3),
     )
 
 

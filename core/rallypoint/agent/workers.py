@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import os
 import select
 import signal
@@ -24,6 +25,8 @@ from typing import IO
 
 from rallypoint.agent.environment import WorkerSpec
 from rallypoint.lifetime import die_with_parent
+
+logger = logging.getLogger("rallypoint.agent")
 
 _TAIL_LINES = 60
 _STDOUT, _STDERR = 1, 2
@@ -59,6 +62,10 @@ class Worker:
     exited: float | None = None  # monotonic time of the exit, as precise as we can tell
     exit_seen: float | None = None  # set by the watcher thread the moment the process exits
     traceback_seen: float | None = None  # when it began printing a Python traceback
+    # Set when the progress watchdog killed it: its last heartbeat (monotonic), and for how
+    # long it had been silent then.
+    stalled_since: float | None = None
+    stalled_for: float | None = None
     stderr_tail: collections.deque[str] = field(
         default_factory=lambda: collections.deque(maxlen=_TAIL_LINES)
     )
@@ -230,6 +237,14 @@ class WorkerGroup:
             self.reap()
             if self.running():
                 self.wait(min(0.05, deadline - time.monotonic()))
+        stubborn = self.running()
+        if stubborn and sig != signal.SIGKILL:
+            logger.warning(
+                "worker pid %s did not exit within %g s of %s: killing it with SIGKILL",
+                ", ".join(str(w.pid) for w in stubborn),
+                timeout,
+                sig.name,
+            )
         for worker in self.workers:
             # Also reaches processes a worker started that are still in its group.
             _signal_group(worker.pid, signal.SIGKILL)
@@ -239,6 +254,16 @@ class WorkerGroup:
                 worker.process.wait(timeout=5)
         self.reap()
         self.close()
+
+    def kill(self, workers: Sequence[Worker]) -> None:
+        """SIGKILL the process groups of ``workers`` at once and reap them (a stuck worker
+        gets no chance to clean up: it may not react to anything else)."""
+        for worker in workers:
+            _signal_group(worker.pid, signal.SIGKILL)
+        for worker in workers:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                worker.process.wait(timeout=5)
+        self.reap()
 
     def finish_output(self, workers: Sequence[Worker] | None = None, timeout: float = 10.0) -> None:
         """Wait, bounded, for the output of ended workers (default: all) to be copied out.

@@ -35,7 +35,14 @@ C10D_DEFAULT_PORT = 29400
 NODE_RANK_LABEL = "rallypoint.node_rank"
 
 _TCPSTORE_OPTIONS = (
-    ConfigOption("read_timeout", float, 60.0, "seconds to wait for one store read"),
+    ConfigOption(
+        "read_timeout",
+        float,
+        60.0,
+        "seconds to wait for one store read",
+        minimum=0,
+        exclusive_minimum=True,
+    ),
     ConfigOption(
         "is_host", bool, None, "host the store here (default: if the endpoint is this host)"
     ),

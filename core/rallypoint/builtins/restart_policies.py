@@ -61,12 +61,25 @@ def register_restart_policies() -> list[RestartPolicy]:
             "restart up to --max-restarts times with exponentially growing, capped delays",
             backoff,
             options=(
-                ConfigOption("initial_delay", float, 1.0, "seconds before the first restart"),
-                ConfigOption("factor", float, 2.0, "delay multiplier per restart"),
-                ConfigOption("max_delay", float, 60.0, "longest delay in seconds"),
-                ConfigOption("jitter", float, 0.1, "random spread of each delay, as a fraction"),
                 ConfigOption(
-                    "reset_after", float, 300.0, "seconds of healthy running that reset the delay"
+                    "initial_delay", float, 1.0, "seconds before the first restart", minimum=0
+                ),
+                ConfigOption("factor", float, 2.0, "delay multiplier per restart", minimum=1),
+                ConfigOption("max_delay", float, 60.0, "longest delay in seconds", minimum=0),
+                ConfigOption(
+                    "jitter",
+                    float,
+                    0.1,
+                    "random spread of each delay, as a fraction",
+                    minimum=0,
+                    maximum=1,
+                ),
+                ConfigOption(
+                    "reset_after",
+                    float,
+                    300.0,
+                    "seconds of healthy running that reset the delay",
+                    minimum=0,
                 ),
             ),
         ),

@@ -3,6 +3,7 @@ background, whichever storage ``--checkpoint-dir`` names."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import logging
@@ -14,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rallypoint import worker_channel
+from rallypoint import progress, worker_channel
 from rallypoint.checkpoint import manifest as mf
 from rallypoint.checkpoint.storage import CheckpointError, CheckpointStorage, FileStorage
 from rallypoint.lifetime import die_with_parent
@@ -101,6 +102,12 @@ class Checkpointer:
         written by a background thread. A crash during the write leaves the previous
         checkpoint as the newest. One save runs at a time: a save waits for the previous
         one to finish.
+
+        Raises:
+            CheckpointError: the checkpoint could not be written (a full disk, a read-only
+                directory), naming the cause; what it had written is removed and the
+                checkpoints saved before are intact. An asynchronous save that fails logs
+                the error at once and raises it from the next ``save`` or ``wait``.
         """
         if self.rank != 0:
             return
@@ -137,25 +144,32 @@ class Checkpointer:
         for it. The child shares the parent's memory copy-on-write, so the parent only
         pays for the pages it changes while the child writes."""
         parent = os.getpid()
+        errors, error_pipe = os.pipe()  # the child's error, for the parent to raise
         pid = os.fork()
         if pid == 0:  # the child: write, report, and leave without running any cleanup
             code = 1
             try:
+                os.close(errors)
                 die_with_parent(parent)  # a worker killed mid-write takes the write along
                 self._write(state, step, began, blocked=time.perf_counter() - began)
                 code = 0
             except BaseException as error:
-                logger.error("checkpoint of step %d failed: %s", step, error)
+                logger.error("asynchronous save: %s", error)
+                with contextlib.suppress(BaseException):  # a pipe's buffer holds 4 KiB
+                    os.write(error_pipe, str(error).encode()[:4096])
             finally:
                 os._exit(code)
+        os.close(error_pipe)
 
         def wait_for_child() -> None:
             _, status = os.waitpid(pid, 0)
+            with os.fdopen(errors, "rb") as pipe:
+                message = pipe.read().decode("utf-8", "replace")
             code = os.waitstatus_to_exitcode(status)
             if code != 0:
                 reason = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
                 self._pending_error = CheckpointError(
-                    f"the process writing checkpoint {step} failed ({reason})"
+                    message or f"the process writing checkpoint {step} failed ({reason})"
                 )
 
         return wait_for_child
@@ -164,19 +178,23 @@ class Checkpointer:
         try:
             self._write(state, step, began, blocked)
         except BaseException as error:
-            logger.error("checkpoint of step %d failed: %s", step, error)
+            logger.error("asynchronous save: %s", error)
             self._pending_error = error
 
     def _write(self, state: Any, step: int, began: float, blocked: float | None) -> None:
         import torch
 
         name = mf.directory(step)
-        self._begin(step)
-        with self.storage.writer(f"{name}/{STATE_FILE}") as handle:
-            writer = mf.HashingWriter(handle)
-            torch.save(state, writer)  # type: ignore[arg-type]
-        files = {STATE_FILE: writer.entry}
-        self._commit(step, "torch", files)
+        # A synchronous save holds up training: its writes are the worker's progress.
+        writer: mf.HashingWriter | None = None
+        try:
+            self._begin(step)
+            with self.storage.writer(f"{name}/{STATE_FILE}") as handle:
+                writer = mf.HashingWriter(handle, progress.heartbeat if blocked is None else None)
+                torch.save(state, writer)  # type: ignore[arg-type]
+            self._commit(step, "torch", {STATE_FILE: writer.entry})
+        except Exception as error:
+            raise self._failed(step, (writer and writer.error) or error) from error
         seconds = time.perf_counter() - began
         worker_channel.send(
             "checkpoint_saved",
@@ -189,9 +207,28 @@ class Checkpointer:
 
     def _begin(self, step: int) -> None:
         """Mark the checkpoint as begun, so that a save that never finished (the worker
-        died mid-write) is seen, and removed by a later save's rotation."""
+        died mid-write) is seen, and removed by a later save's rotation.
+
+        A checkpoint of the same step saved before loses its manifest first: its files
+        are about to be replaced one by one, and until the new manifest is written it is
+        unfinished, not a mix of old and new files. Best effort: where the storage refuses
+        deletes, the checksums still tell such a mix from a complete checkpoint."""
+        with contextlib.suppress(Exception):
+            self.storage.delete(f"{mf.directory(step)}/{mf.MANIFEST}")
         with self.storage.writer(f"{mf.directory(step)}/{BEGUN}") as handle:
             handle.write(b"")
+
+    def _failed(self, step: int, cause: BaseException) -> CheckpointError:
+        """Remove what a failed save of ``step`` wrote (space a full disk needs), and say
+        why it failed."""
+        with contextlib.suppress(Exception):  # a read-only directory keeps it: harmless
+            self.storage.delete(mf.directory(step))
+        if isinstance(cause, CheckpointError):
+            return cause
+        return CheckpointError(
+            f"checkpoint of step {step} not saved in {self.storage.url}: {cause}; "
+            "the checkpoints saved before it are intact"
+        )
 
     def _commit(self, step: int, format_: str, files: Mapping[str, mf.FileEntry]) -> None:
         manifest = mf.Manifest(step, self.world_size, time.time(), format_, dict(files))
@@ -202,11 +239,14 @@ class Checkpointer:
     def _rotate(self, newest: int) -> None:
         """Keep the ``keep_last`` newest complete checkpoints; remove the rest, and
         anything unfinished (only rank 0 writes, and only one save at a time)."""
-        complete = sorted(self._complete_steps(), reverse=True)
-        keep = set(complete[: self.keep_last]) | {newest}
-        for step in self._all_steps():
-            if step not in keep:
-                self.storage.delete(mf.directory(step))
+        try:
+            complete = sorted(self._complete_steps(), reverse=True)
+            keep = set(complete[: self.keep_last]) | {newest}
+            for step in self._all_steps():
+                if step not in keep:
+                    self.storage.delete(mf.directory(step))
+        except Exception as error:  # the new checkpoint is complete: that is what counts
+            logger.warning("checkpoint %s saved, but older ones not removed: %s", newest, error)
 
     # --- sharded state (torch.distributed.checkpoint) -------------------------------------
 

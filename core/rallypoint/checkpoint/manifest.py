@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -83,17 +84,31 @@ class Manifest:
 
 
 class HashingWriter:
-    """A write-only file that counts and hashes what passes through it."""
+    """A write-only file that counts and hashes what passes through it.
 
-    def __init__(self, target: BinaryIO) -> None:
+    ``error`` keeps the first ``OSError`` of the target: ``torch.save`` replaces it with
+    an error of its own that does not say what went wrong (a full disk reads
+    ``unexpected pos 704 vs 598``). ``on_write`` is called after every write (progress).
+    """
+
+    def __init__(self, target: BinaryIO, on_write: Callable[[], object] | None = None) -> None:
         self.target = target
         self.size = 0
+        self.error: OSError | None = None
         self._sha = hashlib.sha256()
+        self._on_write = on_write
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         self._sha.update(data)
         self.size += len(data)
-        return self.target.write(data)
+        try:
+            written = self.target.write(data)
+        except OSError as error:
+            self.error = self.error or error
+            raise
+        if self._on_write is not None:
+            self._on_write()
+        return written
 
     def flush(self) -> None:
         self.target.flush()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from rallypoint.config import DEFAULT_MASTER_PORT, LaunchConfig
 from rallypoint.errors import UsageError
 from rallypoint.extensions import NodeSpec, RendezvousBackend, RendezvousRequest
+from rallypoint.redact import redact_endpoint
 from rallypoint.registry import RANK_ASSIGNERS, RENDEZVOUS_BACKENDS, Registry
 from rallypoint.rendezvous.handler import RendezvousHandler
 from rallypoint.rendezvous.store import CoordinationStore
@@ -87,9 +88,15 @@ def connect(backend: RendezvousBackend, request: RendezvousRequest) -> Coordinat
 
 def parse_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
     """``"host:port"`` (or ``"host"``) -> ``("host", port)``."""
+    if "@" in endpoint:  # no host name has one: credentials, which a store here never takes
+        raise UsageError(
+            f"--rdzv-endpoint {redact_endpoint(endpoint)!r}: expected host:port, "
+            "without a user name or password."
+        )
     host, sep, port = endpoint.strip().rpartition(":")
     if not sep:
         return endpoint.strip(), default_port
     if not port.isdigit() or not 0 < int(port) < 65536:
-        raise UsageError(f"--rdzv-endpoint {endpoint!r}: expected host:port.")
+        shown = redact_endpoint(endpoint)  # "user:password@host:port" happens
+        raise UsageError(f"--rdzv-endpoint {shown!r}: expected host:port.")
     return host.strip("[]"), int(port)

@@ -72,6 +72,16 @@ class MemoryStore:
         with self._shared.changed:
             return self._shared.expiry.get(key, 0.0) >= time.monotonic()
 
+    def delete_prefix(self, prefix: str) -> int:
+        with self._shared.changed:
+            doomed = [key for key in self._shared.values if key.startswith(prefix)]
+            for key in doomed:
+                del self._shared.values[key]
+            expiring = [key for key in self._shared.expiry if key.startswith(prefix)]
+            for key in expiring:
+                del self._shared.expiry[key]
+            return len(set(doomed) | set(expiring))
+
     def clone(self) -> MemoryStore:
         return MemoryStore(self._shared)
 

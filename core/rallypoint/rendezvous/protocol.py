@@ -21,7 +21,13 @@ has a ``prefix`` option), so two jobs never meet. For round ``r``:
 Every node does a constant number of operations per round, and the leader reads the N
 records in one request: the store sees O(N) operations per round, not O(N^2). An
 unreachable store (``StoreUnavailable``) is retried with backoff for ``retry_timeout``
-seconds; running workers are not touched meanwhile.
+seconds; running workers are not touched meanwhile. A node that could not reach the store
+for longer than ``heartbeat_timeout`` (the others may not have been able to renew their
+liveness either) takes no node for dead during the next ``heartbeat_timeout``.
+
+When every member of the last round passed the exit barrier, the last one to leave deletes
+everything under ``<prefix>/<run id>/`` (``delete_prefix``): a finished run leaves nothing
+in the store. A run that did not finish cleanly keeps its keys: a node may come back.
 """
 
 from __future__ import annotations
@@ -65,7 +71,8 @@ class RendezvousFailed(RallypointError):
 
 
 class _LeaderLost(Exception):
-    """The leader of the round being formed died before closing it; the round was ended."""
+    """The round being formed was ended before it closed: its leader died, or another node
+    ended it (having found the leader dead); this node goes on to the next round."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,7 @@ class Keys:
     """Where a run keeps what, under ``<prefix>/<run id>/``."""
 
     def __init__(self, prefix: str, run_id: str) -> None:
+        self.run_id = run_id  # written into every node and round record
         self.root = f"{prefix.rstrip('/')}/{run_id}/"
 
     def state(self) -> str:
@@ -170,6 +178,9 @@ class RetryingStore:
     def alive(self, key: str, ttl: float) -> bool:
         return self._retry(lambda: self.store.alive(key, ttl))
 
+    def delete_prefix(self, prefix: str) -> int:
+        return self._retry(lambda: self.store.delete_prefix(prefix))
+
     def clone(self) -> RetryingStore:
         return RetryingStore(self._retry(self.store.clone), self.retry_timeout)
 
@@ -212,6 +223,10 @@ class StoreRendezvous:
         self._heartbeat_error: StoreError | None = None
         self._watch: tuple[int, str, str, int] | None = None  # round, node, host, size
         self._round_ended = -1  # the newest round the heartbeat thread saw end
+        # Until then (monotonic), no node counts as dead: this node could not reach the
+        # store for longer than heartbeat_timeout, so neither, maybe, could the others.
+        self._grace_until = 0.0
+        self._finished: int | None = None  # the round whose exit barrier every member passed
         # The join deadline while next_round waits (written by next_round only).
         self._joining: float | None = None
         # The heartbeat thread's own connection, opened now rather than inside next_round:
@@ -254,7 +269,7 @@ class StoreRendezvous:
                 try:
                     record = self._join(round_, deadline)
                 except _LeaderLost:
-                    round_ += 1
+                    round_ = max(round_ + 1, self._state())
                     continue
                 if record is not None:
                     return self._assignment(record)
@@ -291,14 +306,18 @@ class StoreRendezvous:
         self.store.set(self.keys.of_round(self.round, "done", done), b"1")
         self._watch = None  # finished nodes stop beating at different times
         last = self.keys.of_round(self.round, "done", len(self.record.node_ids))
-        if not self.store.wait([last], timeout):
+        if self.store.wait([last], timeout):
+            self._finished = self.round
+        else:
             logger.warning("exit barrier: not every node finished within %.0f s", timeout)
 
     def close(self) -> None:
-        with contextlib.suppress(StoreError):  # a store that is gone needs telling nothing
-            self._leave()
+        # Heartbeats stop first: a node counts as gone from here, and no renewal of its
+        # liveness key can come after the last node deleted the run's keys.
         if not self._stop_heartbeats():
             self._beat_store.close()  # else the heartbeat thread closes its store as it ends
+        with contextlib.suppress(StoreError):  # a store that is gone needs telling nothing
+            self._leave()
         if self._port is not None:
             self._port.release()
             self._port = None
@@ -307,17 +326,28 @@ class StoreRendezvous:
     # --- joining --------------------------------------------------------------------------
 
     def _leave(self) -> None:
-        """Say that this node leaves. A node whose process hosts the store (c10d, static)
-        takes the store with it, so it first waits, at most LEAVE_GRACE seconds, for the
-        other nodes of its last round to leave: they may still have to read how the round
-        ended (a leader's error, the exit barrier)."""
+        """Say that this node leaves; the last to leave a cleanly finished run deletes its
+        keys. A node whose process hosts the store (c10d, static) takes the store with it,
+        so it first waits, at most LEAVE_GRACE seconds, for the other nodes of its last
+        round to leave: they may still have to read how the round ended (a leader's error,
+        the exit barrier)."""
         round_ = self._last_joined
         if round_ is None:
             return
         store = self.store.store  # no retries: leaving must not wait out an outage
         left = store.add(self.keys.of_round(round_, "left"), 1)
         store.set(self.keys.of_round(round_, "left", left), b"1")
-        if not getattr(store, "hosting", False):
+        hosting = getattr(store, "hosting", None)
+        if hosting is None:  # a store of its own (etcd, Redis): it keeps what is not deleted
+            record = self.record
+            if self._finished == round_ and record and left >= len(record.node_ids):
+                # The others counted themselves out first, but may not have written their
+                # marker yet: a marker written after the delete would stay.
+                markers = [self.keys.of_round(round_, "left", i) for i in range(1, left)]
+                store.wait(markers, LEAVE_GRACE)
+                self._delete_run(store)
+            return
+        if not hosting:
             return
         if self.record is not None and self.record.round == round_:
             nodes = len(self.record.node_ids)
@@ -325,6 +355,23 @@ class StoreRendezvous:
             nodes = store.add(self.keys.of_round(round_, "joined"), 0)
         if nodes > left:
             store.wait([self.keys.of_round(round_, "left", nodes)], LEAVE_GRACE)
+
+    def _delete_run(self, store: CoordinationStore) -> None:
+        """The run finished cleanly (every member passed the exit barrier) and this node
+        left last: nobody reads the run's keys any more, so delete them all.
+
+        Only then: after a failure, a timeout or a signal a node may still come back and
+        need the state. A store whose host is an agent (c10d, static) needs no cleaning:
+        it ends with that agent."""
+        delete = getattr(store, "delete_prefix", None)
+        if delete is None:  # a store written before the interface had it
+            logger.warning(
+                "the rendezvous store has no delete_prefix: the keys under %s stay",
+                self.keys.root,
+            )
+            return
+        deleted = delete(self.keys.root)
+        logger.debug("deleted the %d keys of the finished run under %s", deleted, self.keys.root)
 
     def _join(self, round_: int, deadline: float) -> records.RoundRecord | None:
         """Join ``round_``; return its record if this node is a member, None if too late."""
@@ -338,6 +385,7 @@ class StoreRendezvous:
             port=self._port.port,
             labels=dict(self.node.labels),
             previous_rank=self.rank,
+            run_id=self.keys.run_id,
         )
         self.store.set(self.keys.of_round(round_, "node", index), records.encode(mine))
         if index == 1:
@@ -354,9 +402,12 @@ class StoreRendezvous:
         s = self.settings
         closed_key = self.keys.of_round(round_, "closed")
         leader: str | None = None
+        began = time.monotonic()
         while not self.store.wait(
             [closed_key], min(s.heartbeat_timeout / 3, max(0.0, deadline - time.monotonic()))
         ):
+            self._note_stall(began)
+            began = time.monotonic()
             if time.monotonic() >= deadline:
                 raise RendezvousTimeout(
                     f"rendezvous round {round_}: fewer than {s.min_nodes} nodes joined "
@@ -364,11 +415,13 @@ class StoreRendezvous:
                 )
             if leader_is_me:
                 continue
+            if self._ended(round_):
+                raise _LeaderLost()  # another node ended it: its leader is gone
             if leader is None:
                 key = self.keys.of_round(round_, "node", 1)
                 raw = self.store.get(key)
                 leader = records.decode_node(key, raw).node_id if raw else None
-            if leader and not self.store.alive(self.keys.heartbeat(leader), s.heartbeat_timeout):
+            if leader and not self._alive(self.store, leader):
                 logger.warning(
                     "node %s, leading rendezvous round %d, died before closing it: "
                     "starting round %d",
@@ -411,15 +464,13 @@ class StoreRendezvous:
         """As the first joiner: wait for enough nodes, then close the round."""
         s = self.settings
         keys = self.keys
-        if round_ > 0 and not self.store.wait(
-            [keys.of_round(round_, "open")], max(0.0, deadline - time.monotonic())
-        ):
+        if round_ > 0 and not self._wait_leading(round_, keys.of_round(round_, "open"), deadline):
             raise RendezvousTimeout(
                 f"rendezvous round {round_}: the job kept running with its {s.max_nodes} nodes "
                 f"(the maximum) for join_timeout={s.join_timeout:g} s; this node was not needed"
             )
         need = keys.of_round(round_, "node", s.min_nodes)
-        if not self.store.wait([need], max(0.0, deadline - time.monotonic())):
+        if not self._wait_leading(round_, need, deadline):
             raise RendezvousTimeout(
                 f"rendezvous round {round_}: fewer than {s.min_nodes} nodes joined within "
                 f"join_timeout={s.join_timeout:g} s"
@@ -434,13 +485,63 @@ class StoreRendezvous:
             nodes = self._joined(round_, count)
         else:
             nodes = self._wait_for_survivors(round_, previous)
+        if self._ended(round_):
+            # While this node could not reach the store, the others took it for dead and
+            # moved on: closing this round would start workers nobody joins.
+            raise _LeaderLost()
         try:
             record = self._form(round_, nodes)
         except RallypointError as error:
-            failed = records.RoundRecord(round_, (), (), (), "", 0, error=str(error))
+            failed = records.RoundRecord(
+                round_, (), (), (), "", 0, error=str(error), run_id=keys.run_id
+            )
             self.store.set(keys.of_round(round_, "closed"), records.encode(failed))
             raise
         self.store.set(keys.of_round(round_, "closed"), records.encode(record))
+
+    def _wait_leading(self, round_: int, key: str, deadline: float) -> bool:
+        """As the leader of ``round_``: wait for ``key`` until ``deadline``, and give the
+        round up (``_LeaderLost``) if the others ended it meanwhile, taking this node for
+        dead (it could not reach the store for longer than heartbeat_timeout)."""
+        while True:
+            left = deadline - time.monotonic()
+            if self.store.wait([key], max(0.0, min(left, self.settings.heartbeat_timeout / 3))):
+                return True
+            if left <= self.settings.heartbeat_timeout / 3:
+                return False
+            if self._ended(round_):
+                raise _LeaderLost()
+
+    def _ended(self, round_: int) -> bool:
+        """Whether the job has moved past ``round_`` (one read of the state)."""
+        raw = self.store.get(self.keys.state())
+        return raw is not None and records.decode_int(self.keys.state(), raw) > round_
+
+    def _alive(self, store: CoordinationStore, node_id: str) -> bool:
+        """Whether ``node_id`` keeps itself alive; every node counts as alive while this one
+        has just come back from a store outage (see ``_note_stall``)."""
+        if time.monotonic() < self._grace_until:
+            return True
+        return store.alive(self.keys.heartbeat(node_id), self.settings.heartbeat_timeout)
+
+    def _note_stall(self, since: float) -> None:
+        """A store call of this node, begun at ``since``, only came back now: if that took
+        longer than heartbeat_timeout, the store was out of reach (frozen, restarting, cut
+        off from this node) or this host stalled. The other nodes may have been unable to
+        renew their liveness meanwhile too: none counts as dead for the next
+        heartbeat_timeout, time enough for each to renew it."""
+        now = time.monotonic()
+        ttl = self.settings.heartbeat_timeout
+        if now - since <= ttl:
+            return
+        if now >= self._grace_until:
+            logger.warning(
+                "this node could not reach the rendezvous store for %.1f s: no node counts "
+                "as dead for the next %g s (heartbeat_timeout), while each renews its liveness",
+                now - since,
+                ttl,
+            )
+        self._grace_until = max(self._grace_until, now + ttl)
 
     def _previous(self, round_: int) -> records.RoundRecord | None:
         if round_ == 0:
@@ -470,6 +571,7 @@ class StoreRendezvous:
             nprocs=tuple(n.nproc for n in ordered),
             master_addr=self.master_addr or ordered[0].host,
             master_port=ordered[0].port,
+            run_id=self.keys.run_id,
         )
 
     def _joined(self, round_: int, count: int, start: int = 1) -> list[records.NodeRecord]:
@@ -494,7 +596,7 @@ class StoreRendezvous:
                 count,
                 self.settings.close_timeout,
             )
-        return [records.decode_node(k, v) for k, v in zip(keys, values, strict=True) if v]
+        return _usable_joiners(round_, keys, values)
 
     def _wait_for_survivors(
         self, round_: int, previous: records.RoundRecord
@@ -523,14 +625,15 @@ class StoreRendezvous:
             missing = [
                 node_id
                 for node_id in previous.node_ids
-                if node_id not in joined
-                and self.store.alive(keys.heartbeat(node_id), s.heartbeat_timeout)
+                if node_id not in joined and self._alive(self.store, node_id)
             ]
             back = sum(1 for node_id in previous.node_ids if node_id in joined)
             if not missing and count >= max(s.min_nodes, min(s.max_nodes, back + newcomers)):
                 return nodes
             slice_ = min(s.heartbeat_timeout / 3, max(0.0, end - time.monotonic()))
+            began = time.monotonic()
             self.store.wait([keys.of_round(round_, "node", count + 1)], slice_)
+            self._note_stall(began)
 
     def _assignment(self, record: records.RoundRecord) -> Assignment:
         self.round = record.round
@@ -583,12 +686,16 @@ class StoreRendezvous:
         read of memory."""
         ttl = self.settings.heartbeat_timeout
         next_beat = 0.0
+        kept: float | None = None  # when this node last renewed its liveness
         progress: tuple[float, float] | None = None  # (join deadline, next progress line)
         try:
             while not stop.is_set():
                 now = time.monotonic()
                 if now >= next_beat:
                     store.keep_alive(self.keys.heartbeat(self.node.node_id), ttl)
+                    if kept is not None:
+                        self._note_stall(kept)
+                    kept = time.monotonic()
                     self._check_neighbour(store)
                     next_beat = now + ttl / 3
                 joining = self._joining
@@ -623,7 +730,7 @@ class StoreRendezvous:
         if watch is None:
             return
         round_, node_id, host, size = watch
-        if store.alive(self.keys.heartbeat(node_id), self.settings.heartbeat_timeout):
+        if self._alive(store, node_id):
             return
         logger.warning(
             "node %s (host %s) is gone (no heartbeat within heartbeat_timeout=%g s, or it "
@@ -638,7 +745,10 @@ class StoreRendezvous:
     def _report_progress(self, store: CoordinationStore, deadline: float) -> None:
         """While this node waits: who has joined, and the time left."""
         s = self.settings
-        round_ = records.decode_int(self.keys.state(), store.get(self.keys.state()) or b"")
+        raw = store.get(self.keys.state())
+        if raw is None:  # the run finished and its keys were deleted
+            return
+        round_ = records.decode_int(self.keys.state(), raw)
         joined = store.add(self.keys.of_round(round_, "joined"), 0)
         logger.info(
             "rendezvous round %d: %d of %d:%d nodes joined; %.0f s left before join_timeout",
@@ -652,3 +762,33 @@ class StoreRendezvous:
 
 def _int(value: int) -> bytes:
     return records.encode_int(value)
+
+
+def _usable_joiners(
+    round_: int, keys: Sequence[str], values: Sequence[bytes | None]
+) -> list[records.NodeRecord]:
+    """The joiners' records that can be used. One that cannot be read (not JSON, another
+    version, a field missing, another job's), or that repeats a node id already in, was
+    not written by a node of this job, or not by one that can take part: the round
+    closes without it, saying so, rather than failing every node."""
+    nodes: list[records.NodeRecord] = []
+    seen: set[str] = set()
+    for key, value in zip(keys, values, strict=True):
+        if not value:
+            continue
+        try:
+            node = records.decode_node(key, value)
+        except StoreError as error:
+            logger.warning("rendezvous round %d: %s; closing the round without it", round_, error)
+            continue
+        if node.node_id in seen:
+            logger.warning(
+                "rendezvous round %d: record %r repeats node %r; closing the round without it",
+                round_,
+                key,
+                node.node_id[:80],
+            )
+            continue
+        seen.add(node.node_id)
+        nodes.append(node)
+    return nodes

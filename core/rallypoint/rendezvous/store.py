@@ -73,6 +73,13 @@ class CoordinationStore(Protocol):
         """Whether ``key``'s owner called ``keep_alive`` within the last ``ttl`` seconds."""
         ...
 
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every key that starts with ``prefix``, liveness keys included; return how
+        many were deleted. The protocol calls it once a run has finished cleanly, with the
+        run's root (``<prefix>/<run id>/``), so that a finished job leaves nothing behind.
+        A ``wait`` on a deleted key waits for it to be set again."""
+        ...
+
     def clone(self) -> CoordinationStore:
         """A second connection to the same store, for another thread."""
         ...

@@ -3,7 +3,9 @@
 torch is imported here only, when a multi-node ``c10d`` job starts. The agent whose host
 is the endpoint's hosts the store (or the one told ``is_host=true``); when that agent dies
 the store dies with it, and the other agents report it: use etcd or Redis where the job
-must survive the loss of any node.
+must survive the loss of any node. A connection that breaks while the host still listens
+(a network blip, a partition) is ``StoreUnavailable``: the next call connects again, and
+the protocol retries meanwhile.
 """
 
 from __future__ import annotations
@@ -12,10 +14,16 @@ import contextlib
 import datetime
 import os
 import socket
+import time
 from collections.abc import Sequence
 from typing import Any
 
-from rallypoint.rendezvous.store import CounterLiveness, StoreError
+from rallypoint.rendezvous.store import CounterLiveness, StoreError, StoreUnavailable
+
+#: The longest one attempt to connect again may take: the protocol retries it with backoff.
+RECONNECT_TIMEOUT = 5.0
+#: The longest one of torch's blocking waits lasts; a longer ``wait`` is made of several.
+WAIT_SLICE = 1.0
 
 
 def _is_local(host: str) -> bool:
@@ -50,7 +58,11 @@ class TCPStoreClient(CounterLiveness):
 
         self.host, self.port, self.timeout = host, port, timeout
         self._seen_keys: set[str] = set()  # keys a wait of this client saw exist
+        # Keys written through this client and its clones: TCPStore cannot list its keys,
+        # so delete_prefix deletes these.
+        self._written: set[str] = set()
         self._dist = dist
+        self._closed = False
         hosting = _is_local(host) if is_host is None else is_host
         self.hosting = False
         if hosting:
@@ -72,29 +84,72 @@ class TCPStoreClient(CounterLiveness):
                 "hosts it (the one on the endpoint's host) running?"
             ) from None
 
-    def _connect(self, host: str, port: int, is_master: bool) -> Any:
+    def _connect(self, host: str, port: int, is_master: bool, timeout: float | None = None) -> Any:
         return self._dist.TCPStore(  # type: ignore[attr-defined]
             host,
             port,
             is_master=is_master,
             wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=self.timeout),
+            timeout=datetime.timedelta(seconds=self.timeout if timeout is None else timeout),
             use_libuv=True,
         )
 
+    def _connection(self) -> Any:
+        """The TCPStore client; connected again if the last call broke the connection."""
+        if self._closed:
+            raise StoreError(
+                f"the connection to the c10d store at {self.host}:{self.port} was closed"
+            )
+        if self._store is None:
+            try:
+                store = self._connect(
+                    self.host, self.port, False, min(self.timeout, RECONNECT_TIMEOUT)
+                )
+                store.set_timeout(datetime.timedelta(seconds=self.timeout))
+            except (RuntimeError, self._dist.DistStoreError) as error:
+                raise self._failed(error, connecting=True) from None
+            self._store = store
+        return self._store
+
     def _call(self, name: str, *args: Any) -> Any:
+        store = self._connection()
         try:
-            return getattr(self._store, name)(*args)
+            return getattr(store, name)(*args)
         except (RuntimeError, self._dist.DistStoreError) as error:
             raise self._failed(error) from None
 
-    def _failed(self, error: Exception) -> StoreError:
+    def _failed(self, error: Exception, connecting: bool = False) -> StoreError:
+        """A broken connection is ``StoreUnavailable`` while the host still listens (the
+        network failed: connect again on the next call); else the store went with the
+        agent that hosted it."""
+        broken = connecting or isinstance(error, self._dist.DistNetworkError)
+        if broken and not self.hosting and not self._closed:
+            self._store = None
+            if self._host_listens():
+                return StoreUnavailable(
+                    f"lost the connection to the c10d store at {self.host}:{self.port} "
+                    f"({_first_line(error)}); connecting again"
+                )
         return StoreError(
-            f"the c10d store at {self.host}:{self.port} failed ({error}); the agent hosting "
-            "it may have died, which a c10d job cannot survive (use etcd or redis for that)"
+            f"the c10d store at {self.host}:{self.port} failed ({_first_line(error)}); the "
+            "agent hosting it may have died, which a c10d job cannot survive (use etcd or "
+            "redis for that)"
         )
 
+    def _host_listens(self) -> bool:
+        """Whether the host's port takes connections: only a refusal says the store is
+        gone (a partition drops or delays the attempt instead)."""
+        try:
+            socket.create_connection((self.host, self.port), timeout=1.0).close()
+        except ConnectionRefusedError:
+            return False
+        except OSError:
+            return True
+        return True
+
     def add(self, key: str, amount: int) -> int:
+        if amount:
+            self._written.add(key)
         return int(self._call("add", key, amount))
 
     def get(self, key: str) -> bytes | None:
@@ -113,23 +168,48 @@ class TCPStoreClient(CounterLiveness):
         return [self.get(key) for key in keys]
 
     def set(self, key: str, value: bytes) -> None:
+        self._written.add(key)
         self._call("set", key, value)
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bytes:
+        self._written.add(key)
         value = bytes(self._call("compare_set", key, expected or b"", desired))
         if expected is not None and value == expected != desired:
             return b""  # TCPStore answers `expected` when the key is absent
         return value
 
     def wait(self, keys: Sequence[str], timeout: float) -> bool:
-        try:
-            self._store.wait(list(keys), datetime.timedelta(seconds=max(timeout, 0.001)))
-        except (RuntimeError, self._dist.DistStoreError) as error:
-            if isinstance(error, self._dist.DistStoreError) and "timeout" in str(error).lower():
-                return False
-            raise self._failed(error) from None
-        self._seen_keys.update(keys)
-        return True
+        store = self._connection()
+        deadline = time.monotonic() + timeout
+        while True:
+            # In slices: torch's C++ wait holds the thread past signals, and the agent
+            # leaves a rendezvous on SIGTERM (its handler runs between two slices).
+            left = deadline - time.monotonic()
+            slice_ = datetime.timedelta(seconds=min(max(left, 0.001), WAIT_SLICE))
+            try:
+                store.wait(list(keys), slice_)
+            except (RuntimeError, self._dist.DistStoreError) as error:
+                timed_out = isinstance(error, self._dist.DistStoreError) and (
+                    "timeout" in str(error).lower()
+                )
+                if not timed_out:
+                    raise self._failed(error) from None
+                if left <= WAIT_SLICE:
+                    return False
+                continue
+            self._seen_keys.update(keys)
+            return True
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete the keys under ``prefix`` that this client and its clones wrote (TCPStore
+        cannot list keys; its store ends with the agent hosting it anyway)."""
+        deleted = 0
+        for key in sorted(k for k in self._written if k.startswith(prefix)):
+            if self._call("delete_key", key):
+                deleted += 1
+            self._written.discard(key)
+        self._seen_keys = {k for k in self._seen_keys if not k.startswith(prefix)}
+        return deleted
 
     def clone(self) -> TCPStoreClient:
         clone = object.__new__(TCPStoreClient)
@@ -140,10 +220,21 @@ class TCPStoreClient(CounterLiveness):
             self._dist,
         )
         clone.hosting = False
+        clone._closed = False
         clone._seen_keys = set()
-        clone._store = self._store.clone()
+        clone._written = self._written
+        try:
+            clone._store = self._connection().clone()
+        except (RuntimeError, self._dist.DistStoreError) as error:
+            raise self._failed(error) from None
         self._share_liveness(clone)
         return clone
 
     def close(self) -> None:
+        self._closed = True
         self._store = None
+
+
+def _first_line(error: Exception) -> str:
+    """torch's message without the C++ stack trace it may carry."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]

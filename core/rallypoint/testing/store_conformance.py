@@ -190,6 +190,57 @@ class StoreConformance:
         finally:
             store.close()
 
+    def test_delete_prefix_deletes_the_keys_under_it(
+        self, store: CoordinationStore, prefix: str
+    ) -> None:
+        run = prefix + "run/"
+        store.set(run + "a", b"1")
+        assert store.add(run + "n", 3) == 3
+        assert store.compare_set(run + "cas", None, b"x") == b"x"
+        store.keep_alive(run + "hb", 30)
+        store.set(prefix + "run-other", b"kept")  # the same text, not under run/
+        store.set(prefix + "outside", b"kept")
+        assert store.delete_prefix(run) == 4
+        assert store.get_many([run + "a", run + "n", run + "cas", run + "hb"]) == [None] * 4
+        assert store.get_many([prefix + "run-other", prefix + "outside"]) == [b"kept"] * 2
+        # Deleted keys start again from nothing; a wait on one waits for a new write.
+        assert store.add(run + "n", 1) == 1
+        assert store.compare_set(run + "cas", None, b"y") == b"y"
+        assert not store.wait([run + "a"], 0.3)
+        assert store.delete_prefix(prefix + "nothing/") == 0
+
+    def test_delete_prefix_deletes_what_other_connections_wrote(
+        self, store: CoordinationStore, connect: Connect, prefix: str
+    ) -> None:
+        other = connect()
+        try:
+            other.set(prefix + "theirs", b"1")
+            other.keep_alive(prefix + "their-hb", 30)
+            assert store.delete_prefix(prefix) == 2
+            assert other.get(prefix + "theirs") is None
+        finally:
+            other.close()
+
+    def test_a_wait_begun_before_a_delete_is_not_fooled_after_it(
+        self, connect: Connect, prefix: str
+    ) -> None:
+        # A wait that saw `a` set, still waiting for `b` while `a` is deleted; then a
+        # second wait on the same keys (which may share the first one's subscription).
+        first, second, writer = connect(), connect(), connect()
+        keys = [prefix + "a", prefix + "b"]
+        try:
+            earlier = threading.Thread(target=first.wait, args=(keys, 5.0), daemon=True)
+            earlier.start()
+            time.sleep(0.3)  # the first wait has begun (its outcome is not checked)
+            writer.set(keys[0], b"1")
+            writer.delete_prefix(prefix)
+            threading.Timer(0.3, writer.set, args=(keys[1], b"1")).start()
+            assert not second.wait(keys, 1.5), "a deleted key counted as present"
+            earlier.join(10)
+        finally:
+            for client in (first, second, writer):
+                client.close()
+
     def test_clone_is_a_second_connection(self, store: CoordinationStore, prefix: str) -> None:
         clone = store.clone()
         try:
@@ -307,7 +358,7 @@ class StoreConformance:
         try:
             ghost.compare_set(keys.state(), None, records.encode_int(0))
             assert ghost.add(keys.of_round(0, "joined"), 1) == 1
-            record = records.NodeRecord("ghost", "127.0.0.1", 2, 1)
+            record = records.NodeRecord("ghost", "127.0.0.1", 2, 1, run_id=run_id)
             ghost.set(keys.of_round(0, "node", 1), records.encode(record))
         finally:
             ghost.close()
@@ -323,6 +374,45 @@ class StoreConformance:
         assert all(isinstance(a, Assignment) for a in assignments), assignments
         assert {a.info.members for a in assignments} == {("n0", "n1")}
         assert took < 15, f"the dead leader held the round up for {took:.1f} s"
+
+    def test_a_job_that_finished_cleanly_leaves_no_key(self, connect: Connect) -> None:
+        from rallypoint.rendezvous.protocol import Keys
+
+        run_id = uuid.uuid4().hex
+        nodes = [self._node(connect, run_id, f"n{i}", 2, 2) for i in range(2)]
+        try:
+            assignments = _in_threads(2, lambda i: nodes[i].next_round())
+            assert all(isinstance(a, Assignment) for a in assignments), assignments
+            _in_threads(2, lambda i: nodes[i].exit_barrier(30))
+        finally:
+            for node in nodes:
+                node.close()
+        keys = Keys("/rallypoint", run_id)
+        probe = [keys.state(), keys.of_round(0, "closed"), keys.of_round(0, "node", 1)]
+        probe += [keys.of_round(0, "left"), keys.heartbeat("n0"), keys.heartbeat("n1")]
+        reader = connect()
+        try:
+            assert reader.get_many(probe) == [None] * len(probe)
+        finally:
+            reader.close()
+
+    def test_a_job_that_did_not_finish_keeps_its_keys(self, connect: Connect) -> None:
+        from rallypoint.rendezvous.protocol import Keys
+
+        run_id = uuid.uuid4().hex
+        nodes = [self._node(connect, run_id, f"n{i}", 2, 2) for i in range(2)]
+        try:
+            assignments = _in_threads(2, lambda i: nodes[i].next_round())
+            assert all(isinstance(a, Assignment) for a in assignments), assignments
+            nodes[0].exit_barrier(0.5)  # n1 never finishes: it may still come back
+        finally:
+            for node in nodes:
+                node.close()
+        reader = connect()
+        try:
+            assert reader.get(Keys("/rallypoint", run_id).of_round(0, "closed")) is not None
+        finally:
+            reader.close()
 
     def test_malformed_state_is_a_clear_error(self, connect: Connect) -> None:
         run_id = uuid.uuid4().hex

@@ -648,6 +648,10 @@ class ${cls}Store:
         """Whether ``key``'s owner called ``keep_alive`` within ``ttl`` seconds."""
         return self._memory.alive(key, ttl)
 
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every key under ``prefix`` (a finished run's keys); how many there were."""
+        return self._memory.delete_prefix(prefix)
+
     def clone(self) -> ${cls}Store:
         """A second connection to the same service, for another thread."""
         return ${cls}Store(self.endpoint, self._memory.clone())

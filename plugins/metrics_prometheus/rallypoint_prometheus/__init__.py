@@ -13,12 +13,26 @@ from rallypoint.extensions import ConfigOption, EventSink, MetricsSink, SinkCont
 __version__ = "0.1.0"
 
 OPTIONS: tuple[ConfigOption, ...] = (
-    ConfigOption("port", int, 0, "port of the /metrics endpoint; 0 picks a free one and logs it"),
+    ConfigOption(
+        "port",
+        int,
+        0,
+        "port of the /metrics endpoint; 0 picks a free one and logs it",
+        minimum=0,
+        maximum=65535,
+    ),
     ConfigOption("addr", str, "0.0.0.0", "address the /metrics endpoint binds to"),
     ConfigOption(
         "pushgateway", str, "", "also push to this Pushgateway (host:port or URL); off if empty"
     ),
-    ConfigOption("push_interval", float, 15.0, "seconds between pushes (and one at the end)"),
+    ConfigOption(
+        "push_interval",
+        float,
+        15.0,
+        "seconds between pushes (and one at the end)",
+        minimum=0,
+        exclusive_minimum=True,
+    ),
     ConfigOption("push_job", str, "rallypoint", "the job label of pushed metrics"),
 )
 

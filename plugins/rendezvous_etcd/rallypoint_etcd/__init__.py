@@ -16,6 +16,7 @@ from rallypoint.extensions import (
     RendezvousBackend,
     RendezvousRequest,
 )
+from rallypoint.redact import redact_endpoint
 
 if TYPE_CHECKING:
     from rallypoint.rendezvous.store import CoordinationStore
@@ -30,11 +31,21 @@ OPTIONS: tuple[ConfigOption, ...] = (
         float,
         10.0,
         "seconds a dead agent's lease outlives it (at most heartbeat_timeout)",
+        minimum=0,
+        exclusive_minimum=True,
     ),
-    ConfigOption("connect_timeout", float, 5.0, "seconds to reach an endpoint"),
+    ConfigOption(
+        "connect_timeout",
+        float,
+        5.0,
+        "seconds to reach an endpoint",
+        minimum=0,
+        exclusive_minimum=True,
+    ),
     ConfigOption("ca_cert", str, None, "CA certificate file for TLS"),
     ConfigOption("cert", str, None, "client certificate file for TLS"),
-    ConfigOption("key", str, None, "client key file for TLS"),
+    # Secret: a private key's path is not for logs and error messages either.
+    ConfigOption("key", str, None, "client key file for TLS", secret=True),
     ConfigOption("user", str, None, "user name for etcd authentication"),
     ConfigOption("password", str, None, "password for etcd authentication", secret=True),
 )
@@ -49,7 +60,8 @@ def connect(request: RendezvousRequest) -> CoordinationStore:
     try:
         endpoints, tls = parse_endpoints(request.endpoint)
     except ValueError as error:
-        raise UsageError(f"--rdzv-endpoint {request.endpoint!r}: {error}.") from None
+        shown = redact_endpoint(request.endpoint)
+        raise UsageError(f"--rdzv-endpoint {shown!r}: {error}.") from None
     heartbeat = float(options.get("heartbeat_timeout") or 15.0)
     lease_ttl = float(options.get("lease_ttl") or heartbeat)
     if lease_ttl <= heartbeat / 3:

@@ -31,10 +31,12 @@ import os
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from rallypoint.redact import redact_endpoint
 from rallypoint.rendezvous.store import StoreError, StoreUnavailable
 
 # Set for gRPC's start-up in this process only (the agent's workers inherit os.environ):
@@ -124,6 +126,11 @@ def parse_endpoints(text: str) -> tuple[tuple[tuple[str, int], ...], bool]:
         item = raw.strip()
         if not item:
             continue
+        if "@" in item:  # a URL's user:password@ (etcdctl takes them as flags, so do we)
+            raise ValueError(
+                f"{redact_endpoint(item)!r}: give the user and password with --rdzv-conf "
+                "user=...,password=..., not in the endpoint"
+            )
         scheme, sep, rest = item.partition("://")
         if sep:
             if scheme not in ("http", "https"):
@@ -396,13 +403,29 @@ _POOL: dict[EtcdConfig, _Connection] = {}
 _POOL_LOCK = threading.Lock()
 
 
+#: The stubs made on each channel. Making a stub builds a callable for every method of its
+#: service, which costs more Python time than the request itself: it is done once per
+#: channel and service, not once per request.
+_STUBS: weakref.WeakKeyDictionary[Any, dict[type, Any]] = weakref.WeakKeyDictionary()
+_STUBS_LOCK = threading.Lock()
+
+
+def _stub(stub: type, channel: Any) -> Any:
+    made = _STUBS.get(channel, {}).get(stub)
+    if made is None:
+        with _STUBS_LOCK:
+            made = _STUBS.setdefault(channel, {}).setdefault(stub, stub(channel))
+    return made
+
+
 def _unary(
     stub: type, method: str, request: Any, channel: Any, metadata: Any, timeout: float
 ) -> Any:
+    service = _stub(stub, channel)
     if method == "LeaseKeepAlive":  # a stream: one request, one answer
-        replies = stub(channel).LeaseKeepAlive(iter([request]), timeout=timeout, metadata=metadata)
+        replies = service.LeaseKeepAlive(iter([request]), timeout=timeout, metadata=metadata)
         return next(replies, None)
-    return getattr(stub(channel), method)(request, timeout=timeout, metadata=metadata)
+    return getattr(service, method)(request, timeout=timeout, metadata=metadata)
 
 
 def _code(error: Any) -> Any:
@@ -429,8 +452,9 @@ def _credentials(config: EtcdConfig) -> Any:
             with open(os.path.expanduser(path), "rb") as file:
                 return file.read()
         except OSError as error:
+            shown = "" if name == "key" else f"={path}"  # a private key's path stays private
             raise StoreError(
-                f"--rdzv-conf {name}={path}: cannot read it ({error.strerror})"
+                f"--rdzv-conf {name}{shown}: cannot read it ({error.strerror})"
             ) from None
 
     return grpc.ssl_channel_credentials(
@@ -452,6 +476,7 @@ class _Watch:
         self.done = threading.Event()
         self.failed = False
         self.shared: _SharedWatch | None = None
+        self.since = 0  # the revision from which puts count: the read saw the older ones
 
     def saw(self, keys: Iterable[bytes]) -> None:
         self.missing.difference_update(keys)
@@ -468,19 +493,22 @@ class _SharedWatch:
 
     def __init__(self, start: int) -> None:
         self.start = start
-        self.seen: set[bytes] = set()  # keys put since ``start``
+        self.seen: dict[bytes, int] = {}  # key -> revision of its latest put since ``start``
         self.waiters: set[_Watch] = set()
         self.ended = False
         self.watch_id: int | None = None
         self.lock = threading.Lock()
 
     def join(self, waiter: _Watch, revision: int) -> bool:
+        """Serve ``waiter``, which read the keys before ``revision``: it is told of the puts
+        from ``revision`` on (older ones its read saw, or a later delete undid)."""
         with self.lock:
             if self.ended or self.start > revision:
                 return False
             self.waiters.add(waiter)
             waiter.shared = self
-            seen = set(self.seen)
+            waiter.since = revision
+            seen = {key for key, put in self.seen.items() if put >= revision}
         waiter.saw(seen)
         return True
 
@@ -496,17 +524,17 @@ class _SharedWatch:
     def __call__(self, response: Any) -> None:
         with self.lock:
             waiters = list(self.waiters)
+            puts: list[tuple[bytes, int]] | None = None
             if response is None or isinstance(response, BaseException):
                 self.ended = True  # the stream ended: the server went away or we closed it
-                keys: list[bytes] | None = None
             else:
-                keys = [event.key for event in response.events]
-                self.seen.update(keys)
+                puts = [(event.key, int(event.mod_revision)) for event in response.events]
+                self.seen.update(puts)
         for waiter in waiters:
-            if keys is None:
+            if puts is None:
                 waiter.fail()
-            else:
-                waiter.saw(keys)
+            else:  # a put older than the waiter's read may have been deleted since
+                waiter.saw(key for key, put in puts if put >= waiter.since)
 
 
 class EtcdStore:
@@ -701,6 +729,17 @@ class EtcdStore:
             kvs = reply.responses[0].response_range.kvs
             kv = kvs[0] if kvs else None
 
+    def delete_prefix(self, prefix: str) -> int:
+        """One DeleteRange over the prefix; liveness keys go too (their leases stay until
+        revoked or expired, holding nothing)."""
+        start = prefix.encode()
+        reply = self._connection.call(
+            etcdrpc.KVStub,
+            "DeleteRange",
+            etcdrpc.DeleteRangeRequest(key=start, range_end=_prefix_end(start)),
+        )
+        return int(reply.deleted)
+
     # --- waiting --------------------------------------------------------------------------
 
     def wait(self, keys: Sequence[str], timeout: float) -> bool:
@@ -826,6 +865,17 @@ def _put(key: bytes, value: bytes) -> Any:
 
 def _get(key: bytes, *, keys_only: bool = False) -> Any:
     return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key, keys_only=keys_only))
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The end of the range of keys that start with ``prefix`` (etcdctl's --prefix)."""
+    end = bytearray(prefix)
+    while end:
+        if end[-1] < 0xFF:
+            end[-1] += 1
+            return bytes(end)
+        end.pop()
+    return b"\x00"  # every key
 
 
 def _value(kv: Any) -> bytes:

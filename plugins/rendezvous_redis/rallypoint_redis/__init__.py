@@ -21,15 +21,28 @@ OPTIONS: tuple[ConfigOption, ...] = (
     *COMMON_RENDEZVOUS_OPTIONS,
     ConfigOption("prefix", str, "rallypoint", "key prefix; the run id is appended"),
     ConfigOption(
-        "key_ttl", float, 10.0, "seconds a dead agent's liveness key outlives it (at most)"
+        "key_ttl",
+        float,
+        10.0,
+        "seconds a dead agent's liveness key outlives it (at most)",
+        minimum=0,
+        exclusive_minimum=True,
     ),
-    ConfigOption("connect_timeout", float, 5.0, "seconds to reach the server"),
-    ConfigOption("db", int, 0, "database number"),
+    ConfigOption(
+        "connect_timeout",
+        float,
+        5.0,
+        "seconds to reach the server",
+        minimum=0,
+        exclusive_minimum=True,
+    ),
+    ConfigOption("db", int, 0, "database number", minimum=0),
     ConfigOption("username", str, None, "ACL user name"),
     ConfigOption("password", str, None, "password (default: $REDIS_PASSWORD)", secret=True),
     ConfigOption("ssl_ca_certs", str, None, "CA certificate file for TLS"),
     ConfigOption("ssl_certfile", str, None, "client certificate file for TLS"),
-    ConfigOption("ssl_keyfile", str, None, "client key file for TLS"),
+    # Secret: a private key's path is not for logs and error messages either.
+    ConfigOption("ssl_keyfile", str, None, "client key file for TLS", secret=True),
     ConfigOption("sentinel_master", str, None, "master name, with sentinel:// endpoints"),
 )
 

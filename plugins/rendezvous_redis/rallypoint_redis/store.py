@@ -7,6 +7,11 @@ How the store's operations map to Redis:
 * ``wait`` subscribes to the channels of the keys it waits for (a channel is named like
   its key), then checks which keys exist, then blocks on the subscription until the
   missing ones are published. No polling: a round closes as soon as its last key is set.
+  A wait for one key takes two round trips before it blocks (subscribe, check); a wait
+  for several first checks which exist (the leader's read of N joiners finds them all),
+  and checks again once all were published. A wait that timed out leaves its subscription
+  in place, and the next wait on the same keys goes on from it without a request: the
+  heartbeat thread waits for the round's end in short slices, for hours.
 * ``keep_alive`` sets a key with a TTL (``PX``) that the owner refreshes; ``alive`` is
   whether the key exists. A dead agent's key expires on the server, so no other agent has
   to watch clocks.
@@ -22,6 +27,7 @@ import contextlib
 import inspect
 import logging
 import os
+import re
 import ssl
 import time
 import urllib.parse
@@ -35,6 +41,7 @@ from redis.retry import Retry
 
 from rallypoint.errors import UsageError
 from rallypoint.extensions import RendezvousRequest
+from rallypoint.redact import redact_endpoint
 from rallypoint.rendezvous.handlers import parse_endpoint
 from rallypoint.rendezvous.store import StoreError, StoreUnavailable
 
@@ -116,6 +123,7 @@ class RedisStore:
         self._compare_set = self._client.register_script(_COMPARE_SET)
         self._subscriber: Any = None  # a redis.connection.Connection in subscribe mode
         self._channels: set[str] = set()  # what the subscriber is subscribed to
+        self._kept: _Pending | None = None  # a wait that timed out, to go on with
         self._closed = False
 
     # --- errors ---------------------------------------------------------------------------
@@ -183,8 +191,40 @@ class RedisStore:
                 self._drop_subscriber()
             raise self._broken(error) from None
 
+    def delete_prefix(self, prefix: str) -> int:
+        """SCAN for the keys under ``prefix`` (a glob with the prefix's own glob characters
+        escaped), UNLINK them a batch at a time: no command blocks the server for long."""
+        pattern = re.sub(r"([\\*?\[\]])", r"\\\1", prefix) + "*"
+
+        def delete() -> int:
+            deleted = 0
+            batch: list[Any] = []
+            for key in self._client.scan_iter(match=pattern, count=500):
+                batch.append(key)
+                if len(batch) >= 500:
+                    deleted += int(self._client.unlink(*batch))
+                    batch = []
+            if batch:
+                deleted += int(self._client.unlink(*batch))
+            return deleted
+
+        return self._call(delete)
+
     def clone(self) -> RedisStore:
-        return RedisStore(self.target, self.key_ttl)
+        """A second store, its connections opened now (one for commands, one for the
+        subscription): the thread it is for does not connect on its first call, and a
+        server that cannot be reached is ``StoreUnavailable`` here."""
+        clone = RedisStore(self.target, self.key_ttl)
+        try:
+            clone._call(clone._open)
+        except BaseException:
+            clone.close()
+            raise
+        return clone
+
+    def _open(self) -> None:
+        self._subscription()  # first: it takes a connection of the pool's, or makes one
+        self._client.ping()  # makes the command connection, which stays in the pool
 
     def close(self) -> None:
         self._closed = True
@@ -203,40 +243,70 @@ class RedisStore:
         return [key for key, found in zip(keys, pipe.execute(), strict=True) if not found]
 
     def _wait(self, keys: list[str], deadline: float) -> bool:
-        missing = self._missing(keys)
-        if not missing:
+        kept, self._kept = self._kept, None
+        if kept is not None and kept.keys == keys and self._subscriber is not None:
+            # The last wait, on these keys, timed out; its subscription saw every key
+            # created since it checked them.
+            state = kept
+        else:
+            begun = self._begin(keys, deadline)
+            if isinstance(begun, bool):
+                return begun
+            state = begun
+        if self._follow(state, deadline):
             return True
-        if time.monotonic() >= deadline:
-            return False
-        # Subscribe first, then look again: a key set in between is seen either way.
-        subscriber = self._subscribe(missing, deadline)
-        if subscriber is None:
+        self._kept = state
+        return False
+
+    def _begin(self, keys: list[str], deadline: float) -> _Pending | bool:
+        """Subscribe to the keys' channels, then look which keys exist (a key set in
+        between is seen either way). True if all exist; False at the deadline."""
+        if len(keys) > 1 or time.monotonic() >= deadline:
+            # Several keys are mostly there already (the leader reading the joiners'
+            # records): look first, and subscribe only for those missing.
+            missing = self._missing(keys)
+            if not missing:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+        else:
+            missing = list(keys)  # one key is mostly awaited before it is set
+        if self._subscribe(missing, deadline) is None:
             return False
         pending = set(self._missing(missing))
-        check_at = time.monotonic() + SUBSCRIPTION_CHECK
-        ping_deadline: float | None = None
-        while pending:
-            now = time.monotonic()
-            if now >= deadline:
-                return False
-            until = min(deadline, ping_deadline if ping_deadline is not None else check_at)
-            if subscriber.can_read(timeout=max(0.0, until - now)):
+        return _Pending(keys, missing, pending) if pending else True
+
+    def _follow(self, state: _Pending, deadline: float) -> bool:
+        """Read the subscription until every pending key was created, or the deadline."""
+        subscriber = self._subscriber
+        while state.pending:
+            ping = state.ping_deadline
+            until = min(deadline, ping if ping is not None else state.check_at)
+            # At the deadline too: what already arrived still counts.
+            if subscriber.can_read(timeout=max(0.0, until - time.monotonic())):
                 reply = subscriber.read_response()
                 kind = _kind(reply)
                 if kind == b"message":
-                    pending.discard(_text(reply[1]))
-                    if not pending:  # every key was created: make sure they still exist
-                        pending = set(self._missing(missing))
+                    state.pending.discard(_text(reply[1]))
+                    if not state.pending and len(state.missing) > 1:
+                        # Several keys: make sure they all still exist (one may have been
+                        # deleted since it was created). One key existed when announced.
+                        state.pending = set(self._missing(state.missing))
                 elif kind == b"pong":
-                    ping_deadline = None
-                    check_at = time.monotonic() + SUBSCRIPTION_CHECK
+                    state.ping_deadline = None
+                    state.check_at = time.monotonic() + SUBSCRIPTION_CHECK
+                    # A key set without a PUBLISH (by another program, or its message lost
+                    # with a connection) is found here, within SUBSCRIPTION_CHECK.
+                    state.pending = set(self._missing(sorted(state.pending)))
                 continue
             now = time.monotonic()
-            if ping_deadline is not None and now >= ping_deadline:
+            if now >= deadline:
+                return False
+            if state.ping_deadline is not None and now >= state.ping_deadline:
                 raise redis.TimeoutError("the subscription connection stopped answering")
-            if ping_deadline is None and now >= check_at:
+            if state.ping_deadline is None and now >= state.check_at:
                 subscriber.send_command("PING")
-                ping_deadline = now + self.target.socket_timeout
+                state.ping_deadline = now + self.target.socket_timeout
         return True
 
     def _subscribe(self, channels: list[str], deadline: float) -> Any:
@@ -275,9 +345,22 @@ class RedisStore:
     def _drop_subscriber(self) -> None:
         subscriber, self._subscriber = self._subscriber, None
         self._channels = set()
+        self._kept = None
         if subscriber is not None:
             subscriber.disconnect()
             self._client.connection_pool.release(subscriber)
+
+
+@dataclass
+class _Pending:
+    """One wait: its keys, those it subscribed for, those not yet created, and when to
+    check that the subscription connection still answers."""
+
+    keys: list[str]
+    missing: list[str]
+    pending: set[str]
+    check_at: float = field(default_factory=lambda: time.monotonic() + SUBSCRIPTION_CHECK)
+    ping_deadline: float | None = None
 
 
 def _kind(reply: Any) -> bytes:
@@ -363,29 +446,36 @@ def target_for(request: RendezvousRequest) -> Target:
     endpoint = request.endpoint.strip()
     if not endpoint:
         raise UsageError("--rdzv-backend redis: give --rdzv-endpoint host:port or a redis:// URL.")
-    scheme, _, rest = endpoint.rpartition("://") if "://" in endpoint else ("", "", endpoint)
+    shown = redact_endpoint(endpoint)  # what messages show: never the URL's password
+    scheme, _, rest = endpoint.partition("://") if "://" in endpoint else ("", "", endpoint)
     scheme = scheme.lower()
     if scheme not in ("", "redis", "rediss", "sentinel"):
         raise UsageError(
-            f"--rdzv-endpoint {endpoint!r}: unsupported scheme {scheme!r}; use host:port, "
+            f"--rdzv-endpoint {shown!r}: unsupported scheme {scheme!r}; use host:port, "
             "redis://, rediss:// or sentinel://."
+        )
+    if not scheme and "@" in rest:
+        raise UsageError(
+            f"--rdzv-endpoint {shown!r}: a user name or password needs a redis:// URL "
+            "(user:password@ after redis://), or --rdzv-conf username and password keys."
         )
     url_user = url_password = None
     url_db: int | None = None
     if scheme:
-        parsed = urllib.parse.urlsplit(endpoint)
+        try:
+            parsed = urllib.parse.urlsplit(endpoint)
+        except ValueError as error:  # "Invalid IPv6 URL", say
+            raise UsageError(f"--rdzv-endpoint {shown!r}: {error}.") from None
         if parsed.query or parsed.fragment:
             raise UsageError(
-                f"--rdzv-endpoint {endpoint!r}: give settings with --rdzv-conf, not in the URL."
+                f"--rdzv-endpoint {shown!r}: give settings with --rdzv-conf, not in the URL."
             )
         url_user = urllib.parse.unquote(parsed.username) if parsed.username else None
         url_password = urllib.parse.unquote(parsed.password) if parsed.password else None
         db_text = parsed.path.strip("/")
         if db_text:
-            if not db_text.isdigit():
-                raise UsageError(
-                    f"--rdzv-endpoint {endpoint!r}: the path must be a database number."
-                )
+            if not (db_text.isascii() and db_text.isdigit()):
+                raise UsageError(f"--rdzv-endpoint {shown!r}: the path must be a database number.")
             url_db = int(db_text)
         rest = parsed.netloc.rpartition("@")[2]
     username = options.get("username") or url_user
@@ -402,7 +492,9 @@ def target_for(request: RendezvousRequest) -> Target:
     }
     for name, path in tls_files.items():
         if path and not os.path.isfile(path):
-            raise UsageError(f"--rdzv-conf {name}={path}: no such file.")
+            # A private key's path stays private.
+            shown = "" if name == "ssl_keyfile" else f"={path}"
+            raise UsageError(f"--rdzv-conf {name}{shown}: no such file.")
     tls = scheme == "rediss" or any(tls_files.values())
     connection: dict[str, Any] = {
         "username": username,
@@ -422,7 +514,7 @@ def target_for(request: RendezvousRequest) -> Target:
         return _sentinel_target(rest, endpoint, options, connection, timeout, tls)
     host, port = parse_endpoint(rest, DEFAULT_PORT)
     if not host:
-        raise UsageError(f"--rdzv-endpoint {endpoint!r}: expected host:port.")
+        raise UsageError(f"--rdzv-endpoint {shown!r}: expected host:port.")
     describe = f"Redis at {host}:{port}" + (f" (db {db})" if db else "")
     return Target(
         describe,
@@ -447,12 +539,14 @@ def _sentinel_target(
     master = options.get("sentinel_master")
     if not master:
         raise UsageError(
-            f"--rdzv-endpoint {endpoint!r}: name the master the sentinels watch with "
-            "--rdzv-conf sentinel_master=NAME."
+            f"--rdzv-endpoint {redact_endpoint(endpoint)!r}: name the master the sentinels "
+            "watch with --rdzv-conf sentinel_master=NAME."
         )
     sentinels = [parse_endpoint(item, DEFAULT_SENTINEL_PORT) for item in hosts.split(",") if item]
     if not sentinels or not all(host for host, _ in sentinels):
-        raise UsageError(f"--rdzv-endpoint {endpoint!r}: expected sentinel://host:port[,...].")
+        raise UsageError(
+            f"--rdzv-endpoint {redact_endpoint(endpoint)!r}: expected sentinel://host:port[,...]."
+        )
     sentinel_settings = {
         "socket_connect_timeout": timeout,
         "socket_timeout": timeout,

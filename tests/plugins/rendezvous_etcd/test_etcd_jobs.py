@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from etcd_servers import PASSWORD, USER, Certificates, Restartable, TlsEtcd
+from etcd_servers import PASSWORD, USER, Certificates, TlsEtcd
 
 import launch
 from launch import assert_no_worker_left, exit_codes, kill, rallypoint, wait_for_text, worker
@@ -117,23 +117,6 @@ def test_a_third_node_joins_a_running_job(etcd_server: EtcdServer, tmp_path: Pat
     for log in logs:
         assert "world=3 sum=3" in log.read_text()
     assert "restart 1 of" not in logs[0].read_text()  # a membership change is no restart
-
-
-def test_the_job_rides_out_an_etcd_restart(restartable_etcd: Restartable, tmp_path: Path) -> None:
-    logs = [tmp_path / "a.log", tmp_path / "b.log"]
-    script = (worker("steps.py"), "4", str(tmp_path))
-    agents = [
-        start_agent(restartable_etcd.endpoint, "2", *script, log=log, nproc=1) for log in logs
-    ]
-    try:
-        wait_for_text(logs[0], "world=2 sum=2", WAIT)
-        restartable_etcd.kill()
-        restartable_etcd.start()  # same data dir and ports
-    finally:
-        finish(agents, logs)
-    for log in logs:
-        assert len(events(log, "rendezvous_completed")) == 1, log.read_text()  # undisturbed
-        assert "done rank=" in log.read_text()
 
 
 def test_the_job_fails_over_when_a_cluster_member_dies(
