@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # Debian packages of the servers the tests start: binary:package.
 SERVERS := etcd:etcd-server redis-server:redis-server prometheus:prometheus prometheus-pushgateway:prometheus-pushgateway openssl:openssl slurmctld:slurm-wlm
 
-.PHONY: install servers lint docs test demo bench clean
+.PHONY: install servers lint docs test soak reliability demo bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -46,8 +46,21 @@ lint: install
 docs: install
 	$(VENV)/bin/mkdocs build --strict --quiet --site-dir "$$(mktemp -d)"
 
+# Most tests wait on real servers and agents, so they run on TEST_PROCESSES processes (on
+# 2 cores too); the few that change the installed environment run alone afterwards.
+TEST_PROCESSES ?= 3
 test: install servers lint docs
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_PROCESSES) --dist worksteal -m "not serial and not soak"
+	$(PY) -m pytest -m serial
+
+# The long fault scenarios (docs/reliability.md): the 20-repetition recovery soak, membership
+# churn on etcd and Redis.
+soak: install servers
+	$(PY) -m pytest -n $(TEST_PROCESSES) --dist worksteal -m soak
+
+# Runs the fault suite and writes docs/reliability.md from what it measured.
+reliability: install servers
+	$(PY) docs/gen_reliability.py
 
 DEMO_DIR := .demo
 EXAMPLES_STAMP := $(VENV)/.installed-examples

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import re
 import subprocess
 import sys
@@ -342,3 +343,59 @@ def test_python_snippets_run(
         with ExitStack() as stack:
             test(**_fixture_values(test, stack, workdir))
     get_plugin_manager.cache_clear()
+
+
+# --- docs/reliability.md (docs/gen_reliability.py) -----------------------------------------
+
+
+def _fault_names() -> set[str]:
+    """The first argument of every ``pytest.mark.fault(...)`` in tests/faults."""
+    import ast
+
+    names: set[str] = set()
+    for path in (REPO / "tests" / "faults").glob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "fault"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                names.add(str(node.args[0].value))
+    return names
+
+
+def test_every_fault_of_the_suite_is_in_the_reliability_page() -> None:
+    """docs/reliability.md is regenerated (make reliability) when a fault is added."""
+    names = _fault_names()
+    assert len(names) >= 20, names
+    page = (DOCS / "reliability.md").read_text("utf-8")
+    rows = {line.split(" | ")[0].removeprefix("| ") for line in page.splitlines()}
+    missing = sorted(names - rows)
+    assert not missing, f"faults missing from docs/reliability.md (run make reliability): {missing}"
+
+
+def test_the_reliability_page_is_rendered_from_records(tmp_path: Path) -> None:
+    records = tmp_path / "records.jsonl"
+    base = {"notes": [], "line": 1, "seconds": None}
+    rows = [
+        {"fault": "Worker hang", "expected": "restarted", "backend": "any", "outcome": "passed",
+         "test": "tests/faults/test_worker_faults.py::test_hang", "seconds": 6.25},
+        {"fault": "Agent SIGKILL", "expected": "re-formed", "backend": "etcd", "outcome": "passed",
+         "test": "tests/faults/test_agent_faults.py::test_kill[etcd]", "seconds": 4.0},
+        {"fault": "Agent SIGKILL", "expected": "re-formed", "backend": "redis", "outcome": "failed",
+         "test": "tests/faults/test_agent_faults.py::test_kill[redis]"},
+    ]  # fmt: skip
+    records.write_text("".join(json.dumps({**base, **row}) + "\n" for row in rows))
+    output = tmp_path / "reliability.md"
+    result = subprocess.run(
+        [sys.executable, str(DOCS / "gen_reliability.py"), "--records", str(records),
+         "--output", str(output)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    page = output.read_text()
+    assert page.index("## Worker") < page.index("## Agent")
+    assert "| Worker hang | restarted | ok, 6.2 s | n/a | n/a |" in page
+    assert "| Agent SIGKILL | re-formed | n/a | ok, 4.0 s | **failed** |" in page
