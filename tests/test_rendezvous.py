@@ -70,6 +70,7 @@ def test_two_nodes_all_reduce(tmp_path: Path) -> None:
         assert f"done rank={rank} world=4 attempt=0" in output
 
 
+@pytest.mark.soak  # make test: tests/faults (agent SIGKILL, an agent restarted, churn)
 def test_a_killed_node_leaves_no_orphan_and_the_survivor_trains_on(tmp_path: Path) -> None:
     port = free_port()
     survivor_log, victim_log = tmp_path / "survivor.log", tmp_path / "victim.log"
@@ -97,6 +98,7 @@ def test_a_killed_node_leaves_no_orphan_and_the_survivor_trains_on(tmp_path: Pat
     assert_no_worker_left(f"steps.py 30 {tmp_path}")
 
 
+@pytest.mark.soak  # make test: tests/faults (agent SIGKILL, an agent restarted, churn)
 def test_a_node_joining_a_running_job_scales_it_up(tmp_path: Path) -> None:
     port = free_port()
     first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"

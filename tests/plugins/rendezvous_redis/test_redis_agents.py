@@ -107,6 +107,7 @@ def test_a_killed_agent_expires_and_the_survivor_trains_on(
     assert_no_worker_left(f"steps.py 6 {tmp_path}")
 
 
+@pytest.mark.soak  # make test: tests/faults (agent SIGKILL, an agent restarted, churn)
 def test_a_node_joining_a_running_job_scales_it_up(redis: RedisServer, tmp_path: Path) -> None:
     endpoint = f"127.0.0.1:{redis.port}"
     first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
