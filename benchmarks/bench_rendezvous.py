@@ -2,11 +2,15 @@
 store, side by side with torch's c10d rendezvous.
 
     .venv/bin/python benchmarks/bench_rendezvous.py [--backends c10d,etcd,redis,torch]
-        [--nodes 8,64,256,1024] [--repeat 3] [--torch-timeout 120] [--rallypoint-timeout 600]
+        [--nodes 8,64,256,1024] [--repeat 3] [--processes 16] [--torch-timeout 120]
+        [--rallypoint-timeout 600]
 
-N simulated nodes run as N threads of one process, each with its own store client. Every
-thread builds its client and its rendezvous handler, waits on a barrier, and then joins the
-round:
+N simulated nodes are spread over P = min(--processes, N) worker processes (node ``i`` in
+process ``i mod P``), one thread per node, each node with its own store client and
+handler. Real nodes are separate machines, each agent its own interpreter: putting a
+thousand nodes in one interpreter would mostly measure them queueing for its one GIL.
+Every node thread builds its client and its rendezvous handler (not timed), then waits
+until the harness releases all nodes of all processes at once, and joins the round:
 
 * ``c10d``, ``etcd``, ``redis``: ``StoreRendezvous.next_round()``, rallypoint's protocol,
   over the store that the backend plugin's registered ``connect`` returns (looked up by name
@@ -18,15 +22,17 @@ round:
 * ``torch``: ``DynamicRendezvousHandler.next_rendezvous()`` with torch's ``c10d`` backend,
   as torchrun's agent calls it, min = max = N nodes, ``last_call_timeout=1``.
 
-The time runs from the barrier's release until the last thread's call returned. Each run
-is checked: every node got a distinct group rank in ``0..N-1`` and (rallypoint) the same
-member list. An implementation runs up to the N where a run fails or exceeds its cap
+The time runs from the release until the last node's call returned (``perf_counter``,
+the system-wide monotonic clock, so the processes' times compare). Each run is checked:
+every node got a distinct group rank in ``0..N-1`` and (rallypoint) the same member list
+and round. An implementation runs up to the N where a run fails or exceeds its cap
 (``--torch-timeout``, which is also torch's ``join_timeout``, or ``--rallypoint-timeout``);
 larger N are recorded as not run.
 
-All nodes share one process and so one GIL: per-node Python work (decoding the round's
-record, for instance) is serialised here, where real nodes would do it in parallel. The
-numbers are therefore an upper bound for every implementation.
+All processes, the store servers and the harness share this machine's CPUs: per-node work
+that real nodes do on their own CPUs (their store calls, decoding the round's record) is
+done here by N/P threads per interpreter on a few cores. The numbers are therefore an
+upper bound for every implementation.
 
 Results go to ``benchmarks/results/rendezvous.json`` and ``docs/benchmarks-rendezvous.md``
 with a chart in ``docs/img/bench_rdzv_round_time.png``; ``--render-only`` rewrites the page
@@ -43,10 +49,13 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 import argparse
 import contextlib
+import datetime
 import gc
+import hashlib
 import itertools
 import json
 import math
+import multiprocessing
 import platform
 import re
 import resource
@@ -63,6 +72,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 import common
@@ -88,9 +98,16 @@ LABELS = {
 }
 #: Results written before --backends existed name rallypoint on the c10d store "rallypoint".
 OLD_NAMES = {"rallypoint": "c10d"}
-SETUP_TIMEOUT = 300.0  # seconds for all N threads to connect and reach the barrier
+SETUP_TIMEOUT = 180.0  # seconds for all N nodes to connect and be ready
 STORE_TIMEOUT = 300.0  # TCPStore read timeout of every c10d client
 LEFTOVER_GRACE = 60.0  # seconds to wait for the threads of a run that timed out
+#: Worker processes the simulated nodes are spread over, each with its own interpreter.
+PROCESSES = 16
+#: Nodes of one worker process that set up (connect) at the same time.
+SETUP_CONCURRENCY = 4
+#: Times a run whose nodes could not all set up is tried again, and the pause before.
+SETUP_RETRIES = 2
+SETUP_RETRY_PAUSE = 30.0
 
 
 @dataclass(frozen=True)
@@ -137,6 +154,7 @@ class Sample:
     finished: int = 0  # nodes whose call returned (with a result or an error)
     leftover_threads: int = 0  # threads still alive after the grace period
     store_requests: dict[str, int] = field(default_factory=dict)
+    setup_retries: int = 0  # runs before this one that failed to set up (not timed)
 
 
 # --- the harness --------------------------------------------------------------------------
@@ -148,65 +166,275 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def raise_file_limit() -> None:
+    """Every node holds a few sockets (its store connection, its heartbeat's, a port)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+@dataclass(frozen=True)
+class Job:
+    """One measurement, as each worker process sets up its share of the N nodes."""
+
+    name: str  # one of IMPLEMENTATIONS
+    endpoint: str
+    run_id: str
+    n: int
+    cap: float
+
+
 @dataclass
-class Threads:
-    """N node threads: set up, released together by a barrier, then each joins the round."""
+class Nodes:
+    """What the N nodes of one measurement did, gathered from the worker processes.
 
-    started: float = 0.0
-    ends: dict[int, float] = field(default_factory=dict)
-    results: dict[int, Any] = field(default_factory=dict)
+    Times are ``time.perf_counter()`` values, which on Linux read the system-wide
+    monotonic clock, so that those of different processes compare.
+    """
+
+    started: float = 0.0  # when the nodes were released
+    ends: dict[int, float] = field(default_factory=dict)  # when each node's call returned
+    results: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # see outcome()
     errors: dict[int, str] = field(default_factory=dict)
-    threads: list[threading.Thread] = field(default_factory=list)
+    requests: Counter[str] = field(default_factory=Counter)
+    leftover_threads: int = 0
 
 
-def run_nodes(
-    n: int, setup: Callable[[int], Callable[[], Any]], cap: float
-) -> tuple[Threads, str | None]:
-    """Start ``n`` threads; thread ``i`` calls ``setup(i)`` (not timed), then the function
-    it returned (timed). Waits at most ``cap`` seconds after the release."""
-    state = Threads()
+class HarnessError(Exception):
+    """A worker process died or stopped answering."""
 
-    def release() -> None:
-        state.started = time.perf_counter()
 
-    barrier = threading.Barrier(n + 1, action=release, timeout=SETUP_TIMEOUT)
+def worker(conn: Connection, go: Any, abort: Any) -> None:
+    """A worker process: runs its share of the nodes of each job the harness sends it."""
+    raise_file_limit()
+    while True:
+        message = conn.recv()
+        if message is None:
+            return
+        job, indices = message
+        run_share(conn, go, abort, job, indices)
+        gc.collect()
+
+
+def run_share(conn: Connection, go: Any, abort: Any, job: Job, indices: list[int]) -> None:
+    """One thread per node of ``indices``: set up (not timed), then, once the harness sets
+    ``go``, join the round (timed). Report, then close the nodes when told to."""
+    nodes = Nodes()
+    handlers: dict[int, Any] = {}
+    make = node_factory(job, nodes.requests, threading.Lock(), handlers)
+    ready = threading.Semaphore(0)
+    release = threading.Event()
+    setup_errors: list[str] = []
+    # Not every node connects at once: thousands of simultaneous connects can overrun a
+    # server's accept queue (torch's TCPStore server has stalled on it), and setting up
+    # is not timed.
+    connecting = threading.Semaphore(SETUP_CONCURRENCY)
 
     def node(i: int) -> None:
         try:
-            join = setup(i)
+            with connecting:
+                join = make(i)
         except BaseException as error:  # reported, and the run is aborted
-            state.errors[i] = f"setup: {error!r}"
-            barrier.abort()
+            setup_errors.append(f"setup: {error!r}")
+            ready.release()
+            return
+        ready.release()
+        release.wait()
+        if abort.value:
             return
         try:
-            barrier.wait()
-        except threading.BrokenBarrierError:
-            return
-        try:
-            state.results[i] = join()
+            result = join()
         except BaseException as error:  # reported per node
-            state.errors[i] = repr(error)
-        finally:
-            state.ends[i] = time.perf_counter()
+            nodes.ends[i] = time.perf_counter()
+            nodes.errors[i] = repr(error)
+            return
+        nodes.ends[i] = time.perf_counter()
+        nodes.results[i] = outcome(job.name, i, result)
 
-    for i in range(n):
-        # Daemon threads: a node stuck in a rendezvous that never completes must not keep
-        # the benchmark alive.
-        thread = threading.Thread(target=node, args=(i,), name=f"node{i}", daemon=True)
-        state.threads.append(thread)
+    # Daemon threads: a node stuck in a rendezvous that never completes must not keep the
+    # process alive.
+    threads = [
+        threading.Thread(target=node, args=(i,), name=f"node{i}", daemon=True) for i in indices
+    ]
+    for thread in threads:
         thread.start()
-    try:
-        barrier.wait()
-    except threading.BrokenBarrierError:
-        first = next(iter(state.errors.values()), "the barrier broke")
-        return state, f"setup failed ({len(state.errors)} nodes): {first}"
-    deadline = state.started + cap
-    for thread in state.threads:
-        thread.join(max(0.0, deadline - time.perf_counter()))
-    return state, None
+    deadline = time.monotonic() + SETUP_TIMEOUT
+    for _ in threads:
+        if not ready.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            setup_errors.append(f"setup: not done within {SETUP_TIMEOUT:g} s")
+            break
+    conn.send(("ready", setup_errors[0] if setup_errors else None))
+    go.wait()
+    release.set()
+    end = time.monotonic() + job.cap
+    for thread in threads if not abort.value else ():  # an aborted run is not waited for
+        thread.join(max(0.0, end - time.monotonic()))
+    conn.send(("done", nodes.ends, nodes.results, nodes.errors, dict(nodes.requests)))
+    conn.recv()  # "close"
+    close_nodes(job.name, handlers)
+    handlers.clear()
+    end = time.monotonic() + LEFTOVER_GRACE
+    for thread in threads:
+        thread.join(max(0.0, end - time.monotonic()))
+    conn.send(("closed", sum(thread.is_alive() for thread in threads)))
 
 
-def summarise(n: int, state: Threads, failure: str | None) -> Sample:
+def node_factory(
+    job: Job, requests: Counter[str], lock: threading.Lock, handlers: dict[int, Any]
+) -> Callable[[int], Callable[[], Any]]:
+    """``setup(i)``: build node ``i``'s store client and handler; return its timed call."""
+    if job.name == "torch":
+        return torch_node_factory(job, handlers)
+    from rallypoint.builtins.rank_assigners import ordered
+    from rallypoint.extensions import NodeSpec, RankAssigner, RendezvousRequest
+    from rallypoint.rendezvous.protocol import Settings, StoreRendezvous
+
+    backend = store_backend(job.name)
+    connect = backend.connect
+    assert connect is not None
+    options = rdzv_options(backend)
+    settings = Settings.from_conf(job.n, job.n, options)  # prefix too: the backend's default
+    assigner = RankAssigner("ordered", "", ordered)
+
+    def setup(i: int) -> Callable[[], Any]:
+        node = NodeSpec(f"node{i}", host=HOST)
+        request = RendezvousRequest(
+            job.run_id, job.endpoint, options, job.n, job.n, node=node, rank_assigner=assigner
+        )
+        store = CountingStore(connect(request), requests, lock)
+        handler = StoreRendezvous(store, job.run_id, node, 1, assigner, settings)
+        handlers[i] = handler
+        return handler.next_round
+
+    return setup
+
+
+def outcome(name: str, i: int, result: Any) -> tuple[Any, ...]:
+    """What the harness checks of node ``i``'s result (small, to send between processes)."""
+    if name == "torch":
+        return (result.rank, result.world_size)
+    info = result.info
+    members = hashlib.sha1("\n".join(info.members).encode()).hexdigest()
+    return (
+        info.round,
+        info.group_rank,
+        info.group_world_size,
+        members,
+        info.members[info.group_rank] == f"node{i}",
+    )
+
+
+def close_nodes(name: str, handlers: dict[int, Any]) -> None:
+    if name == "torch":
+        for handler in handlers.values():
+            # What shutdown() does first, without then marking the rendezvous closed in the
+            # store (N more compare-and-sets of the whole state, possibly against stuck nodes).
+            handler._stop_heartbeats()
+        return
+    # Closing waits for each heartbeat thread's current store call: close them all at once.
+    with ThreadPoolExecutor(max_workers=64) as pool:
+        list(pool.map(lambda handler: handler.close(), handlers.values()))
+
+
+class Workers:
+    """The worker processes that run the simulated nodes: node ``i`` of N runs in process
+    ``i mod P``, P = min(``count``, N). They are kept from one measurement to the next, and
+    replaced after one that left nodes behind or went wrong."""
+
+    def __init__(self, count: int, target: Callable[..., None] = worker) -> None:
+        self.count = count
+        self.target = target
+        self.context = multiprocessing.get_context("spawn")  # no fork of gRPC or torch threads
+        self.go = self.context.Event()
+        self.abort = self.context.Value("b", 0)
+        self.processes: list[tuple[Any, Connection]] = []
+        self.used: list[Connection] = []
+        self.clean = True
+
+    def _start(self, count: int) -> None:
+        while len(self.processes) < count:
+            ours, theirs = self.context.Pipe()
+            process = self.context.Process(
+                target=self.target, args=(theirs, self.go, self.abort), daemon=True
+            )
+            process.start()
+            theirs.close()
+            self.processes.append((process, ours))
+
+    def _receive(self, conn: Connection, timeout: float, kind: str) -> tuple[Any, ...]:
+        try:
+            if conn.poll(max(0.0, timeout)):
+                message = conn.recv()
+                if message[0] == kind:
+                    return tuple(message)
+        except (EOFError, OSError):
+            raise HarnessError(f"a worker process died before {kind!r}") from None
+        raise HarnessError(f"a worker process did not report {kind!r} in time")
+
+    def run(self, job: Job) -> tuple[Nodes, str | None]:
+        """Set the job's nodes up, release them together, gather what they did."""
+        if not self.clean:
+            self.stop()
+        self._start(min(self.count, job.n))
+        self.clean = False  # until finish() says otherwise
+        self.used = [conn for _, conn in self.processes[: min(self.count, job.n)]]
+        self.go.clear()
+        self.abort.value = 0
+        for k, conn in enumerate(self.used):
+            conn.send((job, list(range(k, job.n, len(self.used)))))
+        nodes = Nodes()
+        failure: str | None = None
+        try:
+            for conn in self.used:
+                try:
+                    _, error = self._receive(conn, SETUP_TIMEOUT + 60, "ready")
+                except HarnessError as lost:
+                    error = f"setup: {lost}"
+                failure = failure or error
+            if failure is not None:
+                self.abort.value = 1
+            nodes.started = time.perf_counter()
+            self.go.set()
+            for conn in self.used:
+                _, ends, results, errors, requests = self._receive(
+                    conn, nodes.started + job.cap + 60 - time.perf_counter(), "done"
+                )
+                nodes.ends.update(ends)
+                nodes.results.update(results)
+                nodes.errors.update(errors)
+                nodes.requests.update(requests)
+        except HarnessError as error:
+            failure = failure or str(error)
+        return nodes, failure
+
+    def finish(self, nodes: Nodes) -> None:
+        """Close the nodes; count those still stuck after the grace period."""
+        try:
+            for conn in self.used:
+                conn.send("close")
+            for conn in self.used:
+                nodes.leftover_threads += self._receive(conn, LEFTOVER_GRACE + 120, "closed")[1]
+        except (HarnessError, OSError):
+            return
+        self.clean = nodes.leftover_threads == 0 and len(nodes.ends) == len(nodes.results) + len(
+            nodes.errors
+        )
+
+    def stop(self) -> None:
+        for _, conn in self.processes:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+        for process, conn in self.processes:
+            process.join(5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+            conn.close()
+        self.processes = []
+        self.clean = True
+
+
+def summarise(n: int, state: Nodes, failure: str | None) -> Sample:
     finished = len(state.ends)
     if failure is not None:
         return Sample(n, None, None, False, failure, finished)
@@ -224,13 +452,6 @@ def summarise(n: int, state: Threads, failure: str | None) -> Sample:
     return Sample(n, seconds, first, True, None, finished)
 
 
-def wait_for_leftovers(state: Threads) -> int:
-    deadline = time.monotonic() + LEFTOVER_GRACE
-    for thread in state.threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    return sum(thread.is_alive() for thread in state.threads)
-
-
 # --- rallypoint on a backend's store --------------------------------------------------------
 
 
@@ -244,7 +465,7 @@ class CountingStore:
     """
 
     OPERATIONS = frozenset(
-        {"add", "get", "get_many", "set", "compare_set", "wait", "keep_alive", "alive"}
+        {"add", "get", "get_many", "set", "set_many", "compare_set", "wait", "keep_alive", "alive"}
     )
 
     def __init__(
@@ -290,61 +511,30 @@ def rdzv_options(backend: RendezvousBackend) -> dict[str, Any]:
     return parse_options(rdzv_conf(backend.name), backend.options, "--rdzv-conf", flag)
 
 
-def measure_store(name: str, endpoint: str, n: int, cap: float) -> Sample:
+def measure_store(name: str, endpoint: str, n: int, cap: float, workers: Workers) -> Sample:
     """rallypoint's protocol over the store of backend ``name`` at ``endpoint``."""
-    from rallypoint.builtins.rank_assigners import ordered
-    from rallypoint.extensions import NodeSpec, RankAssigner, RendezvousRequest
-    from rallypoint.rendezvous.protocol import Settings, StoreRendezvous
-
-    backend = store_backend(name)
-    connect = backend.connect
-    assert connect is not None
-    options = rdzv_options(backend)
-    run_id = f"bench-{uuid.uuid4().hex[:12]}"
-    settings = Settings.from_conf(n, n, options)  # prefix too: the backend's default
-    assigner = RankAssigner("ordered", "", ordered)
-    requests: Counter[str] = Counter()
-    lock = threading.Lock()
-    handlers: dict[int, StoreRendezvous] = {}
-
-    def setup(i: int) -> Callable[[], Any]:
-        node = NodeSpec(f"node{i}", host=HOST)
-        request = RendezvousRequest(
-            run_id, endpoint, options, n, n, node=node, rank_assigner=assigner
-        )
-        store = CountingStore(connect(request), requests, lock)
-        handler = StoreRendezvous(store, run_id, node, 1, assigner, settings)
-        handlers[i] = handler
-        return handler.next_round
-
-    state, failure = run_nodes(n, setup, cap)
-    sample = summarise(n, state, failure)
-    with lock:
-        sample.store_requests = dict(requests)
+    job = Job(name, endpoint, f"bench-{uuid.uuid4().hex[:12]}", n, cap)
+    nodes, failure = workers.run(job)
+    sample = summarise(n, nodes, failure)
+    sample.store_requests = dict(nodes.requests)
     if sample.ok:
-        check_rallypoint(n, state.results, sample)
-    # Closing waits for each heartbeat thread's current store call: close them all at once.
-    with ThreadPoolExecutor(max_workers=64) as pool:
-        list(pool.map(lambda handler: handler.close(), handlers.values()))
-    if sample.seconds is None:
-        sample.leftover_threads = wait_for_leftovers(state)
+        check_rallypoint(n, nodes.results, sample)
+    workers.finish(nodes)
+    sample.leftover_threads = nodes.leftover_threads
     return sample
 
 
-def check_rallypoint(n: int, results: dict[int, Any], sample: Sample) -> None:
-    infos = {i: assignment.info for i, assignment in results.items()}
-    members = {info.members for info in infos.values()}
-    ranks = sorted(info.group_rank for info in infos.values())
+def check_rallypoint(n: int, results: dict[int, tuple[Any, ...]], sample: Sample) -> None:
     problems = []
-    if len(members) != 1:
-        problems.append(f"{len(members)} different member lists")
-    if ranks != list(range(n)):
+    if len({members for _, _, _, members, _ in results.values()}) != 1:
+        problems.append("different member lists")
+    if sorted(rank for _, rank, _, _, _ in results.values()) != list(range(n)):
         problems.append("group ranks are not 0..N-1 once each")
-    if any(info.members[info.group_rank] != f"node{i}" for i, info in infos.items()):
+    if not all(placed for *_, placed in results.values()):
         problems.append("a node's rank does not match its place in the member list")
-    if any(info.group_world_size != n for info in infos.values()):
+    if any(size != n for _, _, size, _, _ in results.values()):
         problems.append("a node's group world size is not N")
-    if len({info.round for info in infos.values()}) != 1:
+    if len({round_ for round_, *_ in results.values()}) != 1:
         problems.append("nodes disagree on the round number")
     if problems:
         sample.ok = False
@@ -373,14 +563,32 @@ class Servers:
     def endpoint(self, name: str) -> Iterator[str]:
         """The ``--rdzv-endpoint`` of one measurement of backend ``name``."""
         if name == "c10d":
-            from rallypoint.rendezvous.tcpstore import TCPStoreClient
+            import torch.distributed as dist
 
-            port = free_port()
-            host = TCPStoreClient(HOST, port, is_host=True, timeout=STORE_TIMEOUT)
+            # The server an agent hosts (TCPStoreClient with is_host: libuv, no waiting
+            # for workers), handed an IPv4 socket on 127.0.0.1 to listen on. On its own
+            # it listens on a dual-stack socket, where clients appear as ::ffff:127.0.0.1,
+            # and it looks each one up in DNS as it accepts it (for its log): this
+            # machine's resolver stops answering after a few thousand such lookups, and
+            # the server's only thread then waits 5 s per connection.
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((HOST, 0))
+            listener.listen(4096)
+            port = int(listener.getsockname()[1])
+            server = dist.TCPStore(  # type: ignore[attr-defined]
+                HOST,
+                port,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=STORE_TIMEOUT),
+                use_libuv=True,
+                master_listen_fd=listener.detach(),  # the server's now: it closes it
+            )
             try:
                 yield f"{HOST}:{port}"
             finally:
-                host.close()
+                del server
         elif name == "etcd":
             yield str(self.running["etcd"].endpoint)
         elif name == "redis":
@@ -397,29 +605,21 @@ class Servers:
 # --- torch c10d ---------------------------------------------------------------------------
 
 
-def measure_torch(n: int, cap: float) -> Sample:
-    import torch.distributed as dist
+def torch_node_factory(job: Job, handlers: dict[int, Any]) -> Callable[[int], Callable[[], Any]]:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-    port = free_port()
-    server = dist.TCPStore(  # type: ignore[attr-defined]
-        HOST, port, is_master=True, wait_for_workers=False, multi_tenant=True
-    )
-    run_id = f"bench-{uuid.uuid4().hex[:12]}"
-    handlers: dict[int, Any] = {}
-
     def setup(i: int) -> Callable[[], Any]:
         params = RendezvousParameters(
             backend="c10d",
-            endpoint=f"{HOST}:{port}",
-            run_id=run_id,
-            min_nodes=n,
-            max_nodes=n,
+            endpoint=job.endpoint,
+            run_id=job.run_id,
+            min_nodes=job.n,
+            max_nodes=job.n,
             local_addr=HOST,
             is_host=False,
-            join_timeout=max(1, math.ceil(cap)),
+            join_timeout=max(1, math.ceil(job.cap)),
             last_call_timeout=1,
         )
         backend, store = create_backend(params)
@@ -427,22 +627,30 @@ def measure_torch(n: int, cap: float) -> Sample:
         handlers[i] = handler
         return handler.next_rendezvous
 
-    state, failure = run_nodes(n, setup, cap)
-    sample = summarise(n, state, failure)
+    return setup
+
+
+def measure_torch(n: int, cap: float, workers: Workers) -> Sample:
+    import torch.distributed as dist
+
+    port = free_port()
+    server = dist.TCPStore(  # type: ignore[attr-defined]
+        HOST, port, is_master=True, wait_for_workers=False, multi_tenant=True
+    )
+    job = Job("torch", f"{HOST}:{port}", f"bench-{uuid.uuid4().hex[:12]}", n, cap)
+    nodes, failure = workers.run(job)
+    sample = summarise(n, nodes, failure)
     if sample.ok:
-        ranks = sorted(info.rank for info in state.results.values())
-        if ranks != list(range(n)) or any(i.world_size != n for i in state.results.values()):
+        results = nodes.results.values()
+        if sorted(rank for rank, _ in results) != list(range(n)) or any(
+            size != n for _, size in results
+        ):
             sample.ok = False
             sample.error = "ranks are not 0..N-1 once each, or a world size is not N"
-    for handler in handlers.values():
-        # What shutdown() does first, without then marking the rendezvous closed in the
-        # store (N more compare-and-sets of the whole state, possibly against stuck nodes).
-        handler._stop_heartbeats()
-    handlers.clear()
     del server  # stuck clients now fail instead of waiting out join_timeout
     gc.collect()
-    if sample.seconds is None:
-        sample.leftover_threads = wait_for_leftovers(state)
+    workers.finish(nodes)
+    sample.leftover_threads = nodes.leftover_threads
     return sample
 
 
@@ -452,13 +660,17 @@ def measure_torch(n: int, cap: float) -> Sample:
 def decode_cost(n: int) -> dict[str, float]:
     """What every node spends decoding an N-member round record (records.decode_round)."""
     from rallypoint.rendezvous import records
+    from rallypoint.rendezvous.protocol import DEFAULT_PREFIX, Keys
 
     ids = tuple(f"node{i}" for i in range(n))
-    raw = records.encode(records.RoundRecord(0, ids, (HOST,) * n, (1,) * n, HOST, 20000))
+    keys = Keys(DEFAULT_PREFIX, "bench-decode")
+    fields: dict[str, Any] = {"run_id": keys.run_id} if hasattr(keys, "run_id") else {}
+    raw = records.encode(records.RoundRecord(0, ids, (HOST,) * n, (1,) * n, HOST, 20000, **fields))
+    key = keys.of_round(0, "closed")
     times = []
     for _ in range(7):
         began = time.perf_counter()
-        records.decode_round("closed", raw)
+        records.decode_round(key, raw)
         times.append(time.perf_counter() - began)
     return {"bytes": len(raw), "seconds": statistics.median(times)}
 
@@ -518,12 +730,13 @@ def measure(
     rallypoint_cap: float,
     torch_cap: float,
     servers: Servers,
+    workers: Workers,
 ) -> dict[str, dict[str, Any]]:
     def once(name: str, n: int, cap: float) -> Sample:
         if name == "torch":
-            return measure_torch(n, cap)
+            return measure_torch(n, cap, workers)
         with servers.endpoint(name) as endpoint:
-            return measure_store(name, endpoint, n, cap)
+            return measure_store(name, endpoint, n, cap, workers)
 
     gave_up: dict[str, int | None] = {name: None for name in names}
     table: dict[str, dict[str, Any]] = {name: {} for name in names}
@@ -542,6 +755,16 @@ def measure(
                 gc.collect()
                 time.sleep(0.5)
                 sample = once(name, n, cap)
+                retries = 0
+                while (sample.error or "").startswith("setup") and retries < SETUP_RETRIES:
+                    # Nothing was timed yet: the nodes could not connect (torch's TCPStore
+                    # server looks up every client's address in DNS as it accepts it, and a
+                    # resolver that stops answering stalls it). Set up again after a pause.
+                    retries += 1
+                    print(f"{name:6} N={n:5} run {index + 1}/{repeat}: {sample.error}; again")
+                    time.sleep(SETUP_RETRY_PAUSE)
+                    sample = once(name, n, cap)
+                sample.setup_retries = retries
                 samples.append(sample)
                 shown = f"{sample.seconds:.3f} s" if sample.seconds is not None else "timed out"
                 extra = f" ({sample.error})" if sample.error else ""
@@ -717,6 +940,41 @@ def cell(record: dict[str, Any] | None) -> str:
     return "failed"
 
 
+def method(results: dict[str, Any]) -> list[str]:
+    """What one simulated node is, and where it runs."""
+    processes = results.get("processes")
+    if not processes:  # results written before the nodes were spread over processes
+        return [
+            "Every simulated node is a thread of one process with its own store client. A",
+            "barrier releases all nodes at once; a run's time is from the release until the",
+            "last node's call returned, and each run is checked (ranks 0..N-1 once each; for",
+            "rallypoint, one member list). Sizes run in increasing order, every implementation",
+            "at one N before the next N. All nodes share one Python process and its GIL, so",
+            "per-node Python work that real nodes do in parallel is serialised here.",
+            "",
+        ]
+    return [
+        "What is simulated: N nodes, each running the real rendezvous code (rallypoint's",
+        "`StoreRendezvous`, or torch's handler) with its own store client, as N agents on N",
+        "machines would; no workers are started. What is not: the machines. The N nodes are",
+        f"spread over P = min({processes}, N) worker processes of this one machine (node i in",
+        "process i mod P, one thread per node), so that each interpreter's GIL is shared by",
+        "N/P nodes rather than by all N; all of them, the store server and the harness share",
+        f"this machine's {os.cpu_count()} CPUs, where real nodes would each have their own.",
+        "",
+        "Each node builds its client and handler first (not timed; connections are opened",
+        "a few at a time per process). When every node of every process is ready, the",
+        "harness releases them all at once (one event shared by the processes); a run's time",
+        "is from the release until the last node's call returned (`time.perf_counter`, the",
+        "system-wide monotonic clock). Each run is checked: ranks 0..N-1 once each; for",
+        "rallypoint also one member list (compared by digest), one round, and each node at",
+        "its own rank in that list. Sizes run in increasing order, every implementation at",
+        "one N before the next N; the worker processes are reused from run to run (replaced",
+        "after a run that left nodes behind).",
+        "",
+    ]
+
+
 def render(results: dict[str, Any], sizes: Sequence[int]) -> str:
     tables: dict[str, dict[str, Any]] = results["table"]
     names = list(tables)
@@ -747,6 +1005,23 @@ def render(results: dict[str, Any], sizes: Sequence[int]) -> str:
     ]
     for n in sizes:
         lines.append(f"| {n} | " + " | ".join(cell(tables[m].get(str(n))) for m in names) + " |")
+
+    retried = [
+        f"{name} at {n} nodes ({sum(s.get('setup_retries', 0) for s in record['samples'])})"
+        for name in names
+        for n in sizes
+        if (record := tables[name].get(str(n))) is not None
+        and any(s.get("setup_retries") for s in record["samples"])
+    ]
+    if retried:
+        lines += [
+            "",
+            "Runs whose nodes could not all connect were set up again (nothing of them was",
+            "timed; torch's TCPStore server looks each client's address up in DNS as it",
+            "accepts it, which stalls while the resolver does not answer): "
+            + ", ".join(retried)
+            + ".",
+        ]
 
     lines += ["", "## Targets", ""]
     for name in stores:
@@ -822,42 +1097,38 @@ def render(results: dict[str, Any], sizes: Sequence[int]) -> str:
             f"{decode['seconds'] * n:.2f} s |"
         )
     conf = results.get("rdzv_conf") or {}
+    lines += ["", "## Method", "", *method(results)]
     lines += [
-        "",
-        "## Method",
-        "",
-        "Every simulated node is a thread of one process with its own store client. A barrier",
-        "releases all nodes at once; a run's time is from the release until the last node's",
-        "call returned, and each run is checked (ranks 0..N-1 once each; for rallypoint, one",
-        "member list). Sizes run in increasing order, every implementation at one N before the",
-        "next N.",
-        "",
         "- rallypoint (`c10d`, `etcd`, `redis`): `StoreRendezvous.next_round()`, rank assigner",
         "  `ordered`, over the store that the backend plugin's registered `connect` returns for",
         "  a `RendezvousRequest` (looked up by name in the plugin registry, as `--rdzv-backend`",
         "  does). Its options are the backend's declared defaults but for these `--rdzv-conf`",
         "  values, parsed as the CLI parses them: generous timeouts, so that no simulated node",
-        "  is given up on or declared dead while 2N threads share one GIL (`last_call_timeout`",
-        "  is not waited: the round closes when N nodes are in).",
+        "  is given up on or declared dead while thousands of threads share a few CPUs",
+        "  (`last_call_timeout` is not waited: the round closes when N nodes are in).",
     ]
     for name in stores:
         if name in conf:
             lines.append(f"  - {name}: `{conf[name]}`")
+    processes = results.get("processes")
     lines += [
-        "- c10d: a TCPStore server hosted by the benchmark, a fresh one on a fresh port for",
-        "  every run.",
+        "- c10d: a TCPStore server hosted by the benchmark's own process as an agent hosts",
+        "  it (libuv), a fresh one on a fresh port for every run, listening on an IPv4",
+        "  socket on 127.0.0.1 that the benchmark hands it: on its default dual-stack socket",
+        "  it looks every client's address (::ffff:127.0.0.1) up in DNS as it accepts it,",
+        "  and this machine's resolver stops answering after a few thousand lookups.",
         "- etcd and Redis: one real server each (`tests/servers.py`, as the tests start them:",
         "  etcd with fsync on, Redis without persistence) on the same machine, started once",
         "  for the whole run; every run has its own run id, so its own keys. The etcd plugin",
         "  shares one gRPC connection (and one watch per key range) among the clients of one",
-        "  process, so here all N simulated nodes share one; real nodes have one each.",
+        "  process, so here the nodes of one worker process share one; real nodes have one",
+        "  each.",
         "- torch: `DynamicRendezvousHandler.next_rendezvous()` built by",
         "  `dynamic_rendezvous.create_handler` over `c10d_rendezvous_backend.create_backend`,",
-        f"  `last_call_timeout=1`, `join_timeout` = the per-run cap ({results['torch_timeout']:.0f} s).",
+        f"  `last_call_timeout=1`, `join_timeout` = the per-run cap ({results['torch_timeout']:.0f} s),",
+        "  in the same worker processes.",
         "",
-        "All nodes share one Python process and its GIL, so per-node Python work that real",
-        "nodes do in parallel is serialised here: the times are an upper bound for all. A",
-        "rallypoint node also runs a heartbeat thread, which wakes "
+        "A rallypoint node also runs a heartbeat thread, which wakes "
         + (
             f"every {results['heartbeat_wakeup_s']:g} s"
             if results.get("heartbeat_wakeup_s")
@@ -871,14 +1142,18 @@ def render(results: dict[str, Any], sizes: Sequence[int]) -> str:
             if results.get("wake_slice_s")
             else "in short calls"
         )
-        + ", so at N nodes the process runs 2N threads.",
-        "At large N, the heartbeat threads of the nodes done, the nodes still reading the round",
-        "record and their N decodes of it compete for one GIL, and with the etcd and Redis",
-        f"servers for the machine's {os.cpu_count()} CPUs. Stores differ in how much of a",
-        "call is Python work under the GIL: little for TCPStore's C++ client, more for the",
-        "etcd plugin (gRPC, one connection and one watch per key range shared in the",
-        "process) and the Redis plugin (redis-py, each node's own connections and",
-        "subscription).",
+        + ", so "
+        + (
+            f"each of the P = min({processes}, N) worker processes runs 2N/P threads."
+            if processes
+            else "the process runs 2N threads."
+        ),
+        "At large N, the nodes still reading the round record, their decodes of it and the",
+        "heartbeat threads of the nodes done compete for the interpreters' GILs, and with the",
+        f"store servers for the machine's {os.cpu_count()} CPUs. Stores differ in how much of",
+        "a call is Python work: little for TCPStore's C++ client, more for the Redis plugin",
+        "(redis-py) and most for the etcd plugin (gRPC, and a watch per key range shared in",
+        "a process).",
         "",
     ]
     load = results.get("load_average")
@@ -911,6 +1186,12 @@ def main() -> None:
     )
     parser.add_argument("--repeat", type=int, default=3, help="runs per N and implementation")
     parser.add_argument(
+        "--processes",
+        type=int,
+        default=PROCESSES,
+        help="worker processes the N simulated nodes are spread over (default: %(default)s)",
+    )
+    parser.add_argument(
         "--torch-timeout", type=float, default=120.0, help="seconds before a torch run is abandoned"
     )
     parser.add_argument(
@@ -937,10 +1218,7 @@ def main() -> None:
         if name in STORE_BACKENDS:
             rdzv_options(store_backend(name))  # a missing plugin or a bad option: fail now
 
-    # Every node holds a few sockets (its store connection, its heartbeat's, a port).
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    raise_file_limit()
 
     import torch
 
@@ -952,12 +1230,22 @@ def main() -> None:
     began = time.time()
     with tempfile.TemporaryDirectory(prefix="bench-rdzv-") as tmp_dir:
         servers = Servers(names, tmp_dir)
+        workers = Workers(args.processes)
         try:
             table = measure(
-                names, sizes, args.repeat, args.rallypoint_timeout, args.torch_timeout, servers
+                names,
+                sizes,
+                args.repeat,
+                args.rallypoint_timeout,
+                args.torch_timeout,
+                servers,
+                workers,
             )
         finally:
+            workers.stop()
             servers.stop()
+    del workers  # its semaphores unregister as they go, rather than warn at os._exit
+    gc.collect()
     results: dict[str, Any] = {
         **common.measured_on(began),
         "python": platform.python_version(),
@@ -974,6 +1262,7 @@ def main() -> None:
         "rdzv_conf": {name: rdzv_conf(name) for name in names if name in STORE_BACKENDS},
         "counted": "store operations",
         "repeat": args.repeat,
+        "processes": args.processes,
         "sizes": sizes,
         "torch_timeout": args.torch_timeout,
         "rallypoint_timeout": args.rallypoint_timeout,
