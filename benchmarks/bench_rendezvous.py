@@ -1085,7 +1085,7 @@ def render(results: dict[str, Any], sizes: Sequence[int]) -> str:
     lines += [
         "",
         "Decoding is `records.decode_round` of an N-member record, timed alone: every node",
-        "does it once per round, so one process simulating N nodes does it N times.",
+        "does it once per round, so the processes simulating N nodes do it N times in all.",
         "",
         "| N | round record | decoding it, per node | for all N |",
         "|---|---|---|---|",
