@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 #: The `install_plugin` fixture (tests/conftest.py): install a plugin for one test.
 InstallPlugin = Callable[..., Path]
@@ -96,6 +98,13 @@ def start_agent(
         "--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
         "--rdzv-conf", conf, *args, log=log,
     )  # fmt: skip
+
+
+def events(log: Path, name: str) -> list[dict[str, Any]]:
+    """The events called ``name`` in the event log next to ``log`` (its ``.jsonl``)."""
+    path = log.with_suffix(".jsonl")
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [record for record in records if record["event"] == name]
 
 
 def wait_for_text(log: Path, text: str, timeout: float = 120) -> None:

@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from fault_setups import Backend, c10d_backend, etcd_backend, redis_backend
+from fault_setups import Backend, Recovery, c10d_backend, etcd_backend, redis_backend
 
 #: Where the records go, one JSON line each; unset in a plain test run (nothing written).
 RECORDS = "RALLYPOINT_RELIABILITY_RECORDS"
@@ -20,15 +19,6 @@ RECORDS = "RALLYPOINT_RELIABILITY_RECORDS"
 @pytest.fixture(autouse=True)
 def _agent_runs_in_tmp(agent_tmpdir: Path) -> None:
     """Run directories of the agents each fault leaves behind land in the test's tmp_path."""
-
-
-@dataclass
-class Recovery:
-    """What a fault test measured: ``seconds`` from the fault to the job working again
-    (training, or the right error), and anything worth a note in the table."""
-
-    seconds: float | None = None
-    notes: list[str] = field(default_factory=list)
 
 
 @pytest.hookimpl(wrapper=True)

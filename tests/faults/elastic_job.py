@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fault_setups import Backend, events
+from fault_setups import Backend
 
-from launch import assert_no_worker_left, kill, wait_for_text, worker
+from launch import assert_no_worker_left, events, kill, wait_for_text, worker
 
 #: The text of a worker's step line at world size ``w``: ``f"{STEP} world={w} at="``.
 STEP = " world="

@@ -4,14 +4,12 @@ keeps. Liveness settings are short (3 s) so that every fault plays out in second
 from __future__ import annotations
 
 import contextlib
-import json
 import signal
 import socket
 import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import launch
 from launch import wait_for_port
@@ -135,13 +133,6 @@ class Backend:
             raise AssertionError(f"{self.name}: no server of its own to start")
 
 
-def events(log: Path, name: str) -> list[dict[str, Any]]:
-    """The events called ``name`` in the event log next to ``log``."""
-    path = log.with_suffix(".jsonl")
-    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    return [record for record in records if record["event"] == name]
-
-
 def _listening(port: int) -> bool:
     with socket.socket() as probe:
         return probe.connect_ex(("127.0.0.1", port)) == 0
@@ -179,3 +170,12 @@ def _stop(backend: Backend) -> None:
     with contextlib.suppress(Exception):
         server.process.send_signal(signal.SIGCONT)
     server.stop()
+
+
+@dataclass
+class Recovery:
+    """What a fault test measured: ``seconds`` from the fault to the job working again
+    (training, or the right error), and anything worth a note in the table."""
+
+    seconds: float | None = None
+    notes: list[str] = field(default_factory=list)

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 from elastic_job import ElasticJob, Node, assert_no_restart_used, wait_gone
-from fault_setups import Backend
+from fault_setups import Backend, Recovery
 
-from conftest import Recovery
 from launch import exit_codes, wait_for_text
 
 #: One epoch of 64 samples in batches of 2: 16 steps of 0.1 s on one node (world size 2), 8

@@ -23,11 +23,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from fault_setups import events
+from fault_setups import Recovery
 from faulty_job import job_directory, records, run_faulty
 
-from conftest import Recovery
-from launch import assert_no_worker_left
+from launch import assert_no_worker_left, events
 from rallypoint.checkpoint import Checkpointer
 from rallypoint.checkpoint import manifest as mf
 

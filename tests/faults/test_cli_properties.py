@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fault_setups import Recovery
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import Recovery
 from rallypoint.agent import elastic
 from rallypoint.config import LaunchConfig
 from rallypoint_cli.main import main

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import redis as redis_py
+from fault_setups import Recovery
 
-from conftest import Recovery
 from launch import rallypoint
 from rallypoint_cli.main import main
 from servers import EtcdServer, RedisServer, start_etcd, start_redis

@@ -30,11 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fault_setups import Backend, events
+from fault_setups import Backend, Recovery
 from proxy import Proxy
 
-from conftest import Recovery
-from launch import assert_no_worker_left, kill, wait_for_text, worker
+from launch import assert_no_worker_left, events, kill, wait_for_text, worker
 
 #: heartbeat_timeout in fault_setups.CONF: liveness lapses this long after the last renewal.
 TTL = 3.0

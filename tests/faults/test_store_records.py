@@ -28,10 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fault_setups import Backend, etcd_backend, events, redis_backend
+from fault_setups import Backend, Recovery, etcd_backend, redis_backend
 
-from conftest import Recovery
-from launch import start_rallypoint, worker
+from launch import events, start_rallypoint, worker
 from rallypoint.config import parse_options
 from rallypoint.extensions import NodeSpec, RendezvousRequest
 from rallypoint.plugins import get_plugin_manager

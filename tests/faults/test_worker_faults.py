@@ -17,11 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fault_setups import Backend, events
+from fault_setups import Backend, Recovery
 from faulty_job import fault_time, job_directory, records, run_faulty, seconds_to_training
 
-from conftest import Recovery
-from launch import assert_no_worker_left, exit_codes, kill, worker
+from launch import assert_no_worker_left, events, exit_codes, kill, worker
 
 #: The watchdog's timeout in the hang scenarios: far above a step (0.05 s plus an
 #: all-reduce) even on a loaded machine, short enough to keep the test short.

@@ -7,13 +7,20 @@ import json
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 from etcd_servers import PASSWORD, USER, Certificates, TlsEtcd
 
 import launch
-from launch import assert_no_worker_left, exit_codes, kill, rallypoint, wait_for_text, worker
+from launch import (
+    assert_no_worker_left,
+    events,
+    exit_codes,
+    kill,
+    rallypoint,
+    wait_for_text,
+    worker,
+)
 from servers import EtcdServer, free_port
 
 pytestmark = pytest.mark.usefixtures("agent_tmpdir")
@@ -32,11 +39,6 @@ def start_agent(
         "etcd", endpoint, "job", nnodes, "--event-log", event_log, *script,
         conf=conf, log=log, nproc=nproc,
     )  # fmt: skip
-
-
-def events(log: Path, name: str) -> list[dict[str, Any]]:
-    lines = log.with_suffix(".jsonl").read_text().splitlines()
-    return [record for record in map(json.loads, lines) if record["event"] == name]
 
 
 def finish(agents: list[subprocess.Popen[str]], logs: list[Path], timeout: float = 90) -> None:
