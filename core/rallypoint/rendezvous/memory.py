@@ -64,6 +64,11 @@ class MemoryStore:
                 max(0.0, deadline - time.monotonic()),
             )
 
+    def wait_value(self, key: str, timeout: float) -> bytes | None:
+        with self._shared.changed:
+            found = self._shared.changed.wait_for(lambda: key in self._shared.values, timeout)
+            return self._shared.values[key] if found else None
+
     def keep_alive(self, key: str, ttl: float) -> None:
         with self._shared.changed:
             self._shared.expiry[key] = time.monotonic() + ttl

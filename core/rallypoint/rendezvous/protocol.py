@@ -172,6 +172,19 @@ class RetryingStore:
         deadline = time.monotonic() + timeout
         return self._retry(lambda: self.store.wait(keys, max(0.0, deadline - time.monotonic())))
 
+    def wait_value(self, key: str, timeout: float) -> bytes | None:
+        deadline = time.monotonic() + timeout
+        store = self.store
+        wait_value = getattr(store, "wait_value", None)  # a store written before it had it
+
+        def once() -> bytes | None:
+            left = max(0.0, deadline - time.monotonic())
+            if wait_value is not None:
+                return wait_value(key, left)  # type: ignore[no-any-return]
+            return store.get(key) if store.wait([key], left) else None
+
+        return self._retry(once)
+
     def keep_alive(self, key: str, ttl: float) -> None:
         self._retry(lambda: self.store.keep_alive(key, ttl))
 
@@ -271,10 +284,10 @@ class StoreRendezvous:
                 except _LeaderLost:
                     round_ = max(round_ + 1, self._state())
                     continue
-                if record is not None:
+                if self.node.node_id in record.node_ids:
                     return self._assignment(record)
                 # Too late for this round: ask for a new one if there is room, else wait.
-                running = len(self._closed(round_).node_ids)
+                running = len(record.node_ids)
                 if running < self.settings.max_nodes:
                     self._advance(round_, running + 1)
                 round_ += 1
@@ -373,8 +386,8 @@ class StoreRendezvous:
         deleted = delete(self.keys.root)
         logger.debug("deleted the %d keys of the finished run under %s", deleted, self.keys.root)
 
-    def _join(self, round_: int, deadline: float) -> records.RoundRecord | None:
-        """Join ``round_``; return its record if this node is a member, None if too late."""
+    def _join(self, round_: int, deadline: float) -> records.RoundRecord:
+        """Join ``round_``; return its record (without this node if it came too late)."""
         self._port = self._reserve_port()
         self._last_joined = round_
         index = self.store.add(self.keys.of_round(round_, "joined"), 1)
@@ -390,22 +403,24 @@ class StoreRendezvous:
         self.store.set(self.keys.of_round(round_, "node", index), records.encode(mine))
         if index == 1:
             self._lead(round_, deadline)
-        self._wait_closed(round_, deadline, leader_is_me=index == 1)
-        record = self._closed(round_)
-        if self.node.node_id in record.node_ids:
-            return record
-        return None
+        return self._wait_closed(round_, deadline, leader_is_me=index == 1)
 
-    def _wait_closed(self, round_: int, deadline: float, leader_is_me: bool) -> None:
-        """Wait for the leader to close ``round_``; if the leader dies first (it stopped
-        keeping itself alive), end the round so that the others form the next one."""
+    def _wait_closed(self, round_: int, deadline: float, leader_is_me: bool) -> records.RoundRecord:
+        """The record of ``round_`` once its leader closed it (one read, which the wait
+        answers); if the leader dies first (it stopped keeping itself alive), end the
+        round so that the others form the next one."""
         s = self.settings
         closed_key = self.keys.of_round(round_, "closed")
         leader: str | None = None
         began = time.monotonic()
-        while not self.store.wait(
-            [closed_key], min(s.heartbeat_timeout / 3, max(0.0, deadline - time.monotonic()))
-        ):
+        while True:
+            slice_ = min(s.heartbeat_timeout / 3, max(0.0, deadline - time.monotonic()))
+            raw = self.store.wait_value(closed_key, slice_)
+            if raw is not None:
+                record = records.decode_round(closed_key, raw)
+                if record.error:
+                    raise RendezvousFailed(record.error)
+                return record
             self._note_stall(began)
             began = time.monotonic()
             if time.monotonic() >= deadline:
@@ -449,16 +464,6 @@ class StoreRendezvous:
         finally:
             if previous is not None:
                 previous.release()
-
-    def _closed(self, round_: int) -> records.RoundRecord:
-        key = self.keys.of_round(round_, "closed")
-        raw = self.store.get(key)
-        if raw is None:
-            raise StoreError(f"rendezvous record {key!r} vanished from the store")
-        record = records.decode_round(key, raw)
-        if record.error:
-            raise RendezvousFailed(record.error)
-        return record
 
     def _lead(self, round_: int, deadline: float) -> None:
         """As the first joiner: wait for enough nodes, then close the round."""

@@ -64,6 +64,14 @@ class CoordinationStore(Protocol):
         """Block until every key exists (without polling); ``False`` after ``timeout`` s."""
         ...
 
+    def wait_value(self, key: str, timeout: float) -> bytes | None:
+        """Block until ``key`` exists (without polling) and return its value; ``None``
+        after ``timeout`` s. Every node reads the round's record this way once the leader
+        has written it: a store whose notification carries the value (an etcd watch
+        event, a Redis message) answers without another request. ``wait`` then ``get``
+        is a correct implementation; a store without this method gets just that."""
+        ...
+
     def keep_alive(self, key: str, ttl: float) -> None:
         """Say "``key``'s owner is alive" for ``ttl`` more seconds. The owner calls this
         every ``ttl / 3`` s; a lease (etcd) or a key expiry (Redis) ends it when they stop."""

@@ -24,6 +24,8 @@ from rallypoint.rendezvous.store import CounterLiveness, StoreError, StoreUnavai
 RECONNECT_TIMEOUT = 5.0
 #: The longest one of torch's blocking waits lasts; a longer ``wait`` is made of several.
 WAIT_SLICE = 1.0
+#: What ``get`` compares keys with: no rendezvous record or counter is ever this value.
+_READ = b"\x00rallypoint: read, do not write\x00"
 
 
 def _is_local(host: str) -> bool:
@@ -153,11 +155,12 @@ class TCPStoreClient(CounterLiveness):
         return int(self._call("add", key, amount))
 
     def get(self, key: str) -> bytes | None:
-        # TCPStore's get blocks until the key exists: check first, unless a wait of this
-        # client already saw it (the protocol never deletes keys).
-        if key not in self._seen_keys and not self._call("check", [key]):
-            return None
-        return bytes(self._call("get", key))
+        # TCPStore's own get waits for the key (two round trips, and it blocks while the
+        # key is absent). A compare-and-set that never matches reads in one round trip,
+        # without blocking: it answers the value, or `expected` when the key is absent,
+        # and writes nothing (a key holding _READ would be set to _READ again).
+        value = bytes(self._call("compare_set", key, _READ, _READ))
+        return None if value == _READ else value
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         if not keys:
@@ -199,6 +202,10 @@ class TCPStoreClient(CounterLiveness):
                 continue
             self._seen_keys.update(keys)
             return True
+
+    def wait_value(self, key: str, timeout: float) -> bytes | None:
+        # Two round trips: TCPStore's waits answer no value.
+        return self.get(key) if self.wait([key], timeout) else None
 
     def delete_prefix(self, prefix: str) -> int:
         """Delete the keys under ``prefix`` that this client and its clones wrote (TCPStore

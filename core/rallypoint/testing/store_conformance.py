@@ -38,7 +38,12 @@ import pytest
 from rallypoint.builtins.rank_assigners import ordered
 from rallypoint.extensions import NodeSpec, RankAssigner
 from rallypoint.rendezvous.handler import Assignment
-from rallypoint.rendezvous.protocol import RendezvousTimeout, Settings, StoreRendezvous
+from rallypoint.rendezvous.protocol import (
+    RendezvousTimeout,
+    RetryingStore,
+    Settings,
+    StoreRendezvous,
+)
 from rallypoint.rendezvous.store import CoordinationStore, StoreError
 
 Connect = Callable[[], CoordinationStore]
@@ -141,6 +146,24 @@ class StoreConformance:
         began = time.monotonic()
         assert not store.wait([prefix + "never"], 0.3)
         assert time.monotonic() - began < 2
+
+    def test_wait_value_answers_the_value_once_set(self, connect: Connect, prefix: str) -> None:
+        # As the protocol calls it: the store's own wait_value, or wait then get for a
+        # store written before the interface had it.
+        waiter, setter = RetryingStore(connect(), retry_timeout=0), connect()
+        record = bytes(range(256)) * 256  # a round record of a thousand nodes is this big
+        try:
+            assert waiter.wait_value(prefix + "record", 0.2) is None  # times out: None
+            threading.Timer(0.3, setter.set, args=(prefix + "record", record)).start()
+            began = time.monotonic()
+            assert waiter.wait_value(prefix + "record", 10) == record
+            assert time.monotonic() - began < 5  # woken by the set, not by the timeout
+            assert waiter.wait_value(prefix + "record", 0) == record  # there already
+            threading.Timer(0.3, setter.add, args=(prefix + "count", 3)).start()
+            assert waiter.wait_value(prefix + "count", 10) == b"3"  # a counter: its total
+        finally:
+            waiter.close()
+            setter.close()
 
     def test_get_many_reads_in_order(self, store: CoordinationStore, prefix: str) -> None:
         store.set(prefix + "a", b"1")

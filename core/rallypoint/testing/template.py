@@ -640,6 +640,11 @@ class ${cls}Store:
         loop; ``False`` after ``timeout`` seconds."""
         return self._memory.wait(keys, timeout)
 
+    def wait_value(self, key: str, timeout: float) -> bytes | None:
+        """``wait`` for one key, answering its value (``None`` after ``timeout``); answer
+        from the notification when it carries the value (a watch event, a message)."""
+        return self._memory.wait_value(key, timeout)
+
     def keep_alive(self, key: str, ttl: float) -> None:
         """This node is alive for ``ttl`` more seconds (a lease, a key TTL)."""
         self._memory.keep_alive(key, ttl)

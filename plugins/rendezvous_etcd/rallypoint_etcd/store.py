@@ -5,13 +5,17 @@ a key), and none of them polls:
 
 * ``get_many`` and the "which keys exist" read of ``wait`` are one transaction (or one
   range read when there are more keys than a transaction may hold);
-* ``compare_set`` is one transaction comparing the value (or that the key is absent);
+* ``compare_set`` is one transaction comparing the value (or that the key is absent); a
+  create-if-absent on a key that exists is answered by a read, which etcd serves without
+  a Raft proposal and a WAL write (every node reads the job's round that way);
 * ``add`` is one transaction that bumps the key's etcd *version*: a counter key holds a
   base, and its value is that base plus the key's version. Concurrent adds never conflict
   (a compare-and-set counter would retry O(N^2) times when N nodes join at once);
 * ``wait`` watches the keys still missing, from the revision of that read, so no write
   between the read and the watch is missed; a watch that timed out is kept for the next
   ``wait`` on the same keys (the heartbeat thread waits on one key in short slices);
+  ``wait_value`` reads the value with the key, or takes it from the watch event, so
+  every node gets the round's record without another request;
 * ``keep_alive`` attaches the key to a lease and renews it; ``alive`` is "the key exists":
   when an agent dies, etcd expires its lease and deletes the key.
 
@@ -470,16 +474,21 @@ def _credentials(config: EtcdConfig) -> Any:
 class _Watch:
     """One ``wait``: the keys it waits for and those still missing."""
 
-    def __init__(self, keys: tuple[bytes, ...], missing: set[bytes]) -> None:
+    def __init__(
+        self, keys: tuple[bytes, ...], missing: set[bytes], found: dict[bytes, Any]
+    ) -> None:
         self.keys = keys
         self.missing = missing
+        self.found = found  # key -> its KeyValue, as read or as a put announced it
         self.done = threading.Event()
         self.failed = False
         self.shared: _SharedWatch | None = None
         self.since = 0  # the revision from which puts count: the read saw the older ones
 
-    def saw(self, keys: Iterable[bytes]) -> None:
-        self.missing.difference_update(keys)
+    def saw(self, kvs: Iterable[Any]) -> None:
+        for kv in kvs:
+            self.found[kv.key] = kv
+            self.missing.discard(kv.key)
         if not self.missing:
             self.done.set()
 
@@ -493,7 +502,7 @@ class _SharedWatch:
 
     def __init__(self, start: int) -> None:
         self.start = start
-        self.seen: dict[bytes, int] = {}  # key -> revision of its latest put since ``start``
+        self.seen: dict[bytes, Any] = {}  # key -> its KeyValue at its latest put since ``start``
         self.waiters: set[_Watch] = set()
         self.ended = False
         self.watch_id: int | None = None
@@ -508,7 +517,7 @@ class _SharedWatch:
             self.waiters.add(waiter)
             waiter.shared = self
             waiter.since = revision
-            seen = {key for key, put in self.seen.items() if put >= revision}
+            seen = [kv for kv in self.seen.values() if kv.mod_revision >= revision]
         waiter.saw(seen)
         return True
 
@@ -524,17 +533,18 @@ class _SharedWatch:
     def __call__(self, response: Any) -> None:
         with self.lock:
             waiters = list(self.waiters)
-            puts: list[tuple[bytes, int]] | None = None
+            puts: list[Any] | None = None
             if response is None or isinstance(response, BaseException):
                 self.ended = True  # the stream ended: the server went away or we closed it
             else:
-                puts = [(event.key, int(event.mod_revision)) for event in response.events]
-                self.seen.update(puts)
+                # pyetcd's events read as their KeyValue (key, value, version, revisions)
+                puts = list(response.events)
+                self.seen.update((kv.key, kv) for kv in puts)
         for waiter in waiters:
             if puts is None:
                 waiter.fail()
             else:  # a put older than the waiter's read may have been deleted since
-                waiter.saw(key for key, put in puts if put >= waiter.since)
+                waiter.saw(kv for kv in puts if kv.mod_revision >= waiter.since)
 
 
 class EtcdStore:
@@ -673,6 +683,12 @@ class EtcdStore:
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bytes:
         name = key.encode()
         if expected is None:
+            # Create-if-absent, mostly called on a key that exists (every node of a job
+            # reads the job's round this way): a read answers it. A transaction that may
+            # write goes through Raft, a WAL write, even when its comparison fails.
+            kvs = self._range(name).kvs
+            if kvs:
+                return _value(kvs[0])
             compare = _compare(name, "CREATE", create_revision=0)
         else:
             compare = _compare(name, "VALUE", value=bytes(expected))
@@ -746,25 +762,41 @@ class EtcdStore:
         wanted = tuple(dict.fromkeys(key.encode() for key in keys))
         if not wanted:
             return True
+        return self._wait(wanted, timeout, keys_only=True) is not None
+
+    def wait_value(self, key: str, timeout: float) -> bytes | None:
+        """A wait whose read, or the watch event that ends it, carries the value."""
+        name = key.encode()
+        found = self._wait((name,), timeout, keys_only=False)
+        if found is None:
+            return None
+        kv = found.get(name)
+        return _value(kv) if kv is not None and kv.value else self.get(key)
+
+    def _wait(
+        self, wanted: tuple[bytes, ...], timeout: float, *, keys_only: bool
+    ) -> dict[bytes, Any] | None:
+        """Once every key exists, their KeyValues as read or announced (values left out
+        of a ``keys_only`` read); None after ``timeout``."""
         deadline = time.monotonic() + timeout
         kept = self._watch
         if kept is not None and kept.keys == wanted and not kept.failed:
             # The last wait on these keys timed out; its watch saw every put since.
             if kept.done.wait(max(0.0, timeout)) and not kept.failed:
                 self._drop_watch()
-                return True
+                return kept.found
             if not kept.failed:
-                return False
+                return None
         self._drop_watch()
         while True:
-            found, revision = self._read(wanted, keys_only=True)
+            found, revision = self._read(wanted, keys_only=keys_only)
             missing = {key for key in wanted if key not in found}
             if not missing:
-                return True
+                return found
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return False
-            watch = _Watch(wanted, missing)
+                return None
+            watch = _Watch(wanted, missing, found)
             try:
                 self._connection.subscribe(
                     watch, min(missing), max(missing) + b"\x00", revision + 1
@@ -775,9 +807,9 @@ class EtcdStore:
             self._watch = watch
             if watch.done.wait(remaining) and not watch.failed:
                 self._drop_watch()
-                return True
+                return watch.found
             if not watch.failed:
-                return False  # timed out; the watch stays for the next wait on these keys
+                return None  # timed out; the watch stays for the next wait on these keys
             self._drop_watch()
             raise StoreUnavailable(
                 f"etcd at {self._connection.endpoint()} ended a watch (the server went away)"
