@@ -3,15 +3,20 @@
 How the store's operations map to Redis:
 
 * ``add``, ``set`` and ``compare_set`` are server-side Lua scripts: each is atomic, takes
-  one round trip, and publishes on the key's channel when it creates the key.
+  one round trip, and when it creates the key publishes the value on the key's channel.
 * ``wait`` subscribes to the channels of the keys it waits for (a channel is named like
-  its key), then checks which keys exist, then blocks on the subscription until the
-  missing ones are published. No polling: a round closes as soon as its last key is set.
-  A wait for one key takes two round trips before it blocks (subscribe, check); a wait
-  for several first checks which exist (the leader's read of N joiners finds them all),
-  and checks again once all were published. A wait that timed out leaves its subscription
-  in place, and the next wait on the same keys goes on from it without a request: the
-  heartbeat thread waits for the round's end in short slices, for hours.
+  its key), then reads the keys, then blocks on the subscription until the missing ones
+  are published. No polling: a round closes as soon as its last key is set. A wait for
+  one key takes two round trips before it blocks (subscribe, read); a wait for several
+  first reads them all (the leader's read of N joiners finds them all there), and reads
+  again once all were published. ``wait_value`` is a wait for one key that answers its
+  value, from the read or from the message that announced the key: every node gets the
+  round's record without a request of its own after the leader wrote it. A wait that
+  timed out leaves its subscription in place, and the next wait on the same keys goes on
+  from it without a request: the heartbeat thread waits for the round's end in short
+  slices, for hours.
+* Commands go over a connection each store holds, not through ``redis.Redis``'s command
+  methods, which cost about three times the CPU of the command (pool, checks, metrics).
 * ``keep_alive`` sets a key with a TTL (``PX``) that the owner refreshes; ``alive`` is
   whether the key exists. A dead agent's key expires on the server, so no other agent has
   to watch clocks.
@@ -24,6 +29,7 @@ redis-py escapes; every error says which server and what to do.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import inspect
 import logging
 import os
@@ -67,33 +73,47 @@ _NO_CLIENT_SETINFO: dict[str, Any] = (
 )
 
 # KEYS[1]: the key, which is also the channel its waiters subscribe to.
-_SET = """
+_SET_TEXT = """
 local existed = redis.call('EXISTS', KEYS[1])
 redis.call('SET', KEYS[1], ARGV[1])
-if existed == 0 then redis.call('PUBLISH', KEYS[1], '') end
+if existed == 0 then redis.call('PUBLISH', KEYS[1], ARGV[1]) end
 return 1
 """
 
-_ADD = """
+_ADD_TEXT = """
 local existed = redis.call('EXISTS', KEYS[1])
 if existed == 1 and ARGV[1] == '0' then return redis.call('INCRBY', KEYS[1], 0) end
 local value = redis.call('INCRBY', KEYS[1], ARGV[1])
-if existed == 0 then redis.call('PUBLISH', KEYS[1], '') end
+if existed == 0 then redis.call('PUBLISH', KEYS[1], tostring(value)) end
 return value
 """
 
 # ARGV: 1 if a value is expected (else: the key must be absent), the expected value,
 # the desired value.
-_COMPARE_SET = """
+_COMPARE_SET_TEXT = """
 local current = redis.call('GET', KEYS[1])
 if (ARGV[1] == '0' and current == false) or (ARGV[1] == '1' and current == ARGV[2]) then
   redis.call('SET', KEYS[1], ARGV[3])
-  if current == false then redis.call('PUBLISH', KEYS[1], '') end
+  if current == false then redis.call('PUBLISH', KEYS[1], ARGV[3]) end
   return ARGV[3]
 end
 if current == false then return '' end
 return current
 """
+
+
+@dataclass(frozen=True)
+class _Script:
+    """A Lua script and its SHA1, by which EVALSHA names it."""
+
+    text: str
+    sha: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sha", hashlib.sha1(self.text.encode()).hexdigest())
+
+
+_SET, _ADD, _COMPARE_SET = _Script(_SET_TEXT), _Script(_ADD_TEXT), _Script(_COMPARE_SET_TEXT)
 
 
 @dataclass(frozen=True)
@@ -118,9 +138,7 @@ class RedisStore:
         self.target = target
         self.key_ttl = key_ttl
         self._client: Any = target.client()
-        self._set = self._client.register_script(_SET)
-        self._add = self._client.register_script(_ADD)
-        self._compare_set = self._client.register_script(_COMPARE_SET)
+        self._connection: Any = None  # a redis.connection.Connection held for commands
         self._subscriber: Any = None  # a redis.connection.Connection in subscribe mode
         self._channels: set[str] = set()  # what the subscriber is subscribed to
         self._kept: _Pending | None = None  # a wait that timed out, to go on with
@@ -136,6 +154,40 @@ class RedisStore:
         except Exception as error:
             raise self._broken(error) from None
 
+    def _command(self, *args: Any) -> Any:
+        """One command on this store's own connection, its reply as the server sent it.
+
+        Not through ``redis.Redis``'s command methods: those take a connection from the
+        pool, check it and give it back, record metrics and convert the reply on every
+        call, about three times the CPU of the command itself. A connection that failed
+        is dropped; the next command connects again.
+        """
+        connection = self._connection
+        if connection is None:
+            connection = self._connection = self._client.connection_pool.get_connection()
+        try:
+            connection.send_command(*args)
+            return connection.read_response()
+        except redis.ResponseError:
+            raise  # the server answered: the connection is fine
+        except BaseException:
+            self._drop_connection()
+            raise
+
+    def _script(self, script: _Script, key: str, *args: Any) -> Any:
+        """Run ``script`` on ``key``: by its SHA1, or by its text where the server does
+        not have it cached (a restarted server, a failover)."""
+        try:
+            return self._command("EVALSHA", script.sha, 1, key, *args)
+        except redis.exceptions.NoScriptError:
+            return self._command("EVAL", script.text, 1, key, *args)
+
+    def _drop_connection(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            connection.disconnect()
+            self._client.connection_pool.release(connection)
+
     def _broken(self, error: Exception) -> Exception:
         """A socket error redis-py let through, or any error of a call that ``close()``
         (from another thread: a handler shutting down) pulled the connection from under."""
@@ -148,41 +200,54 @@ class RedisStore:
     # --- CoordinationStore ----------------------------------------------------------------
 
     def add(self, key: str, amount: int) -> int:
-        return int(self._call(lambda: self._add(keys=[key], args=[int(amount)])))
+        return int(self._call(lambda: self._script(_ADD, key, int(amount))))
 
     def get(self, key: str) -> bytes | None:
-        value = self._call(lambda: self._client.get(key))
+        value = self._call(lambda: self._command("GET", key))
         return None if value is None else bytes(value)
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         if not keys:
             return []
-        values = self._call(lambda: self._client.mget(list(keys)))
+        values = self._call(lambda: self._command("MGET", *keys))
         return [None if value is None else bytes(value) for value in values]
 
     def set(self, key: str, value: bytes) -> None:
-        self._call(lambda: self._set(keys=[key], args=[bytes(value)]))
+        self._call(lambda: self._script(_SET, key, bytes(value)))
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bytes:
         args = ["0", b""] if expected is None else ["1", bytes(expected)]
-        value = self._call(lambda: self._compare_set(keys=[key], args=[*args, bytes(desired)]))
+        value = self._call(lambda: self._script(_COMPARE_SET, key, *args, bytes(desired)))
         return bytes(value)
 
     def keep_alive(self, key: str, ttl: float) -> None:
         # The key lives min(ttl, key_ttl): key_ttl bounds how long a dead agent looks alive.
         milliseconds = max(1, int(min(ttl, self.key_ttl) * 1000))
-        self._call(lambda: self._client.set(key, b"1", px=milliseconds))
+        self._call(lambda: self._command("SET", key, b"1", "PX", milliseconds))
 
     def alive(self, key: str, ttl: float) -> bool:
-        return bool(self._call(lambda: self._client.exists(key)))
+        return bool(self._call(lambda: self._command("EXISTS", key)))
 
     def wait(self, keys: Sequence[str], timeout: float) -> bool:
-        deadline = time.monotonic() + max(0.0, timeout)
         wanted = list(dict.fromkeys(keys))
         if not wanted:
             return True
+        return self._waiting(wanted, timeout) is not None
+
+    def wait_value(self, key: str, timeout: float) -> bytes | None:
+        state = self._waiting([key], timeout)
+        if state is None:
+            return None
+        value = state.values.get(key)
+        # Found by a check after a PING (its value not read), or published by an
+        # older rallypoint (which published no value): read it.
+        return value if value is not None else self.get(key)
+
+    def _waiting(self, keys: list[str], timeout: float) -> _Pending | None:
+        """The wait's state once every key exists (with the values it saw), else None."""
+        deadline = time.monotonic() + max(0.0, timeout)
         try:
-            return self._wait(wanted, deadline)
+            return self._wait(keys, deadline)
         except redis.RedisError as error:
             self._drop_subscriber()  # its state is unknown now: subscribe afresh next time
             raise translate(error, self.target) from None
@@ -223,58 +288,59 @@ class RedisStore:
         return clone
 
     def _open(self) -> None:
-        self._subscription()  # first: it takes a connection of the pool's, or makes one
-        self._client.ping()  # makes the command connection, which stays in the pool
+        self._subscription()
+        self._command("PING")  # opens the command connection
 
     def close(self) -> None:
         self._closed = True
         with contextlib.suppress(redis.RedisError, OSError, ValueError):
             self._drop_subscriber()
+        with contextlib.suppress(redis.RedisError, OSError, ValueError):
+            self._drop_connection()
         self._client.close()
 
     # --- waiting --------------------------------------------------------------------------
 
-    def _missing(self, keys: Sequence[str]) -> list[str]:
-        if len(keys) == 1:
-            return [] if self._client.exists(keys[0]) else list(keys)
-        pipe = self._client.pipeline(transaction=False)
-        for key in keys:
-            pipe.exists(key)
-        return [key for key, found in zip(keys, pipe.execute(), strict=True) if not found]
+    def _check(self, state: _Pending, keys: Sequence[str]) -> None:
+        """Read ``keys``: those that exist leave ``state.pending``, their values kept."""
+        # One request, one reply.
+        values = [self._command("GET", keys[0])] if len(keys) == 1 else self._command("MGET", *keys)
+        for key, value in zip(keys, values, strict=True):
+            if value is not None:
+                state.pending.discard(key)
+                state.values[key] = bytes(value)
 
-    def _wait(self, keys: list[str], deadline: float) -> bool:
+    def _wait(self, keys: list[str], deadline: float) -> _Pending | None:
         kept, self._kept = self._kept, None
         if kept is not None and kept.keys == keys and self._subscriber is not None:
             # The last wait, on these keys, timed out; its subscription saw every key
             # created since it checked them.
             state = kept
         else:
-            begun = self._begin(keys, deadline)
-            if isinstance(begun, bool):
-                return begun
-            state = begun
+            state = _Pending(keys, list(keys), set(keys))
+            if not self._begin(state, deadline):
+                return None
         if self._follow(state, deadline):
-            return True
+            return state
         self._kept = state
-        return False
+        return None
 
-    def _begin(self, keys: list[str], deadline: float) -> _Pending | bool:
-        """Subscribe to the keys' channels, then look which keys exist (a key set in
-        between is seen either way). True if all exist; False at the deadline."""
-        if len(keys) > 1 or time.monotonic() >= deadline:
+    def _begin(self, state: _Pending, deadline: float) -> bool:
+        """Subscribe to the channels of the keys not yet there, then read them (a key set
+        in between is seen either way). False if the deadline came first."""
+        if len(state.keys) > 1 or time.monotonic() >= deadline:
             # Several keys are mostly there already (the leader reading the joiners'
             # records): look first, and subscribe only for those missing.
-            missing = self._missing(keys)
-            if not missing:
+            self._check(state, state.keys)
+            state.missing = sorted(state.pending)
+            if not state.pending:
                 return True
             if time.monotonic() >= deadline:
                 return False
-        else:
-            missing = list(keys)  # one key is mostly awaited before it is set
-        if self._subscribe(missing, deadline) is None:
+        if self._subscribe(state.missing, deadline) is None:
             return False
-        pending = set(self._missing(missing))
-        return _Pending(keys, missing, pending) if pending else True
+        self._check(state, state.missing)
+        return True
 
     def _follow(self, state: _Pending, deadline: float) -> bool:
         """Read the subscription until every pending key was created, or the deadline."""
@@ -287,17 +353,21 @@ class RedisStore:
                 reply = subscriber.read_response()
                 kind = _kind(reply)
                 if kind == b"message":
-                    state.pending.discard(_text(reply[1]))
+                    key = _text(reply[1])
+                    state.pending.discard(key)
+                    if reply[2]:  # the value it was created with (rallypoint publishes it)
+                        state.values[key] = bytes(reply[2])
                     if not state.pending and len(state.missing) > 1:
                         # Several keys: make sure they all still exist (one may have been
                         # deleted since it was created). One key existed when announced.
-                        state.pending = set(self._missing(state.missing))
+                        state.pending = set(state.missing)
+                        self._check(state, state.missing)
                 elif kind == b"pong":
                     state.ping_deadline = None
                     state.check_at = time.monotonic() + SUBSCRIPTION_CHECK
                     # A key set without a PUBLISH (by another program, or its message lost
                     # with a connection) is found here, within SUBSCRIPTION_CHECK.
-                    state.pending = set(self._missing(sorted(state.pending)))
+                    self._check(state, sorted(state.pending))
                 continue
             now = time.monotonic()
             if now >= deadline:
@@ -353,12 +423,13 @@ class RedisStore:
 
 @dataclass
 class _Pending:
-    """One wait: its keys, those it subscribed for, those not yet created, and when to
-    check that the subscription connection still answers."""
+    """One wait: its keys, those it subscribed for, those not yet created, the values
+    it saw, and when to check that the subscription connection still answers."""
 
     keys: list[str]
     missing: list[str]
     pending: set[str]
+    values: dict[str, bytes] = field(default_factory=dict)  # the keys' values, as seen
     check_at: float = field(default_factory=lambda: time.monotonic() + SUBSCRIPTION_CHECK)
     ping_deadline: float | None = None
 
@@ -608,7 +679,7 @@ def _probe(store: RedisStore, retry_timeout: float) -> None:
     delay = 0.1
     while True:
         try:
-            store._call(store._client.ping)
+            store._call(lambda: store._command("PING"))
             break
         except StoreUnavailable as error:
             waited = time.monotonic() - began
