@@ -192,10 +192,7 @@ class TCPStoreClient(CounterLiveness):
             try:
                 store.wait(list(keys), slice_)
             except (RuntimeError, self._dist.DistStoreError) as error:
-                timed_out = isinstance(error, self._dist.DistStoreError) and (
-                    "timeout" in str(error).lower()
-                )
-                if not timed_out:
+                if not _timed_out(self._dist, error):
                     raise self._failed(error) from None
                 if left <= WAIT_SLICE:
                     return False
@@ -204,8 +201,27 @@ class TCPStoreClient(CounterLiveness):
             return True
 
     def wait_value(self, key: str, timeout: float) -> bytes | None:
-        # Two round trips: TCPStore's waits answer no value.
-        return self.get(key) if self.wait([key], timeout) else None
+        # TCPStore's own get: it waits for the key and reads it in one call (two round
+        # trips); its timeout, the store's, is set to each slice.
+        store = self._connection()
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                store.set_timeout(datetime.timedelta(seconds=min(max(left, 0.001), WAIT_SLICE)))
+                try:
+                    value = bytes(store.get(key))
+                except (RuntimeError, self._dist.DistStoreError) as error:
+                    if not _timed_out(self._dist, error):
+                        raise self._failed(error) from None
+                    if left <= WAIT_SLICE:
+                        return None
+                    continue
+                self._seen_keys.add(key)
+                return value
+        finally:
+            if self._store is store:
+                store.set_timeout(datetime.timedelta(seconds=self.timeout))
 
     def delete_prefix(self, prefix: str) -> int:
         """Delete the keys under ``prefix`` that this client and its clones wrote (TCPStore
@@ -240,6 +256,11 @@ class TCPStoreClient(CounterLiveness):
     def close(self) -> None:
         self._closed = True
         self._store = None
+
+
+def _timed_out(dist: Any, error: Exception) -> bool:
+    """Whether a TCPStore wait or get ended at its timeout (rather than failing)."""
+    return isinstance(error, dist.DistStoreError) and "timeout" in str(error).lower()
 
 
 def _first_line(error: Exception) -> str:
