@@ -155,6 +155,11 @@ class Sample:
     leftover_threads: int = 0  # threads still alive after the grace period
     store_requests: dict[str, int] = field(default_factory=dict)
     setup_retries: int = 0  # runs before this one that failed to set up (not timed)
+    # CPU seconds (user + system) from the release until every node returned: of the
+    # worker processes (the nodes, their heartbeat threads, their client libraries), and
+    # of the store's server (etcd, redis-server; the harness process hosting TCPStore).
+    nodes_cpu: float | None = None
+    server_cpu: float | None = None
 
 
 # --- the harness --------------------------------------------------------------------------
@@ -198,6 +203,18 @@ class Nodes:
     errors: dict[int, str] = field(default_factory=dict)
     requests: Counter[str] = field(default_factory=Counter)
     leftover_threads: int = 0
+    nodes_cpu: float = 0.0  # see Sample
+    server_cpu: float | None = None
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of process ``pid`` (this process if None), all threads."""
+    if pid is None:
+        times = os.times()
+        return times.user + times.system
+    with open(f"/proc/{pid}/stat") as stat:
+        fields_ = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class HarnessError(Exception):
@@ -266,10 +283,12 @@ def run_share(conn: Connection, go: Any, abort: Any, job: Job, indices: list[int
     conn.send(("ready", setup_errors[0] if setup_errors else None))
     go.wait()
     release.set()
+    began = cpu_seconds()
     end = time.monotonic() + job.cap
     for thread in threads if not abort.value else ():  # an aborted run is not waited for
         thread.join(max(0.0, end - time.monotonic()))
-    conn.send(("done", nodes.ends, nodes.results, nodes.errors, dict(nodes.requests)))
+    cpu = cpu_seconds() - began
+    conn.send(("done", nodes.ends, nodes.results, nodes.errors, dict(nodes.requests), cpu))
     conn.recv()  # "close"
     close_nodes(job.name, handlers)
     handlers.clear()
@@ -371,8 +390,11 @@ class Workers:
             raise HarnessError(f"a worker process died before {kind!r}") from None
         raise HarnessError(f"a worker process did not report {kind!r} in time")
 
-    def run(self, job: Job) -> tuple[Nodes, str | None]:
-        """Set the job's nodes up, release them together, gather what they did."""
+    def run(
+        self, job: Job, server_cpu: Callable[[], float] | None = None
+    ) -> tuple[Nodes, str | None]:
+        """Set the job's nodes up, release them together, gather what they did (and the
+        CPU time ``server_cpu`` counts meanwhile)."""
         if not self.clean:
             self.stop()
         self._start(min(self.count, job.n))
@@ -393,16 +415,20 @@ class Workers:
                 failure = failure or error
             if failure is not None:
                 self.abort.value = 1
+            server_began = server_cpu() if server_cpu is not None else None
             nodes.started = time.perf_counter()
             self.go.set()
             for conn in self.used:
-                _, ends, results, errors, requests = self._receive(
+                _, ends, results, errors, requests, cpu = self._receive(
                     conn, nodes.started + job.cap + 60 - time.perf_counter(), "done"
                 )
                 nodes.ends.update(ends)
                 nodes.results.update(results)
                 nodes.errors.update(errors)
                 nodes.requests.update(requests)
+                nodes.nodes_cpu += cpu
+            if server_cpu is not None and server_began is not None:
+                nodes.server_cpu = server_cpu() - server_began
         except HarnessError as error:
             failure = failure or str(error)
         return nodes, failure
@@ -465,7 +491,17 @@ class CountingStore:
     """
 
     OPERATIONS = frozenset(
-        {"add", "get", "get_many", "set", "set_many", "compare_set", "wait", "keep_alive", "alive"}
+        {
+            "add",
+            "get",
+            "get_many",
+            "set",
+            "compare_set",
+            "wait",
+            "wait_value",
+            "keep_alive",
+            "alive",
+        }
     )
 
     def __init__(
@@ -511,12 +547,16 @@ def rdzv_options(backend: RendezvousBackend) -> dict[str, Any]:
     return parse_options(rdzv_conf(backend.name), backend.options, "--rdzv-conf", flag)
 
 
-def measure_store(name: str, endpoint: str, n: int, cap: float, workers: Workers) -> Sample:
-    """rallypoint's protocol over the store of backend ``name`` at ``endpoint``."""
+def measure_store(
+    name: str, endpoint: str, n: int, cap: float, workers: Workers, server_pid: int | None
+) -> Sample:
+    """rallypoint's protocol over the store of backend ``name`` at ``endpoint``, whose
+    server is process ``server_pid`` (None: this process hosts it)."""
     job = Job(name, endpoint, f"bench-{uuid.uuid4().hex[:12]}", n, cap)
-    nodes, failure = workers.run(job)
+    nodes, failure = workers.run(job, lambda: cpu_seconds(server_pid))
     sample = summarise(n, nodes, failure)
     sample.store_requests = dict(nodes.requests)
+    sample.nodes_cpu, sample.server_cpu = nodes.nodes_cpu, nodes.server_cpu
     if sample.ok:
         check_rallypoint(n, nodes.results, sample)
     workers.finish(nodes)
@@ -596,6 +636,10 @@ class Servers:
         else:
             raise ValueError(f"no server for backend {name!r}")
 
+    def pid(self, name: str) -> int | None:
+        """The process of backend ``name``'s server; None for c10d (this one hosts it)."""
+        return None if name == "c10d" else int(self.running[name].pid)
+
     def stop(self) -> None:
         for server in self.running.values():
             server.stop()
@@ -638,8 +682,9 @@ def measure_torch(n: int, cap: float, workers: Workers) -> Sample:
         HOST, port, is_master=True, wait_for_workers=False, multi_tenant=True
     )
     job = Job("torch", f"{HOST}:{port}", f"bench-{uuid.uuid4().hex[:12]}", n, cap)
-    nodes, failure = workers.run(job)
+    nodes, failure = workers.run(job, cpu_seconds)  # this process hosts the TCPStore
     sample = summarise(n, nodes, failure)
+    sample.nodes_cpu, sample.server_cpu = nodes.nodes_cpu, nodes.server_cpu
     if sample.ok:
         results = nodes.results.values()
         if sorted(rank for rank, _ in results) != list(range(n)) or any(
@@ -736,7 +781,7 @@ def measure(
         if name == "torch":
             return measure_torch(n, cap, workers)
         with servers.endpoint(name) as endpoint:
-            return measure_store(name, endpoint, n, cap, workers)
+            return measure_store(name, endpoint, n, cap, workers, servers.pid(name))
 
     gave_up: dict[str, int | None] = {name: None for name in names}
     table: dict[str, dict[str, Any]] = {name: {} for name in names}
@@ -928,6 +973,14 @@ def chart(results: dict[str, Any], sizes: Sequence[int]) -> str:
     return common.save_chart(figure, CHART)
 
 
+def cpu_cell(record: dict[str, Any], name: str) -> str:
+    """The median CPU seconds ``name`` of a record's samples ("" before they were measured)."""
+    values = [s.get(name) for s in record["samples"]]
+    if any(value is None for value in values):
+        return ""
+    return f"{statistics.median(values):.2f}"
+
+
 def cell(record: dict[str, Any] | None) -> str:
     if record is None:
         return "not measured"
@@ -1059,15 +1112,17 @@ def render(results: dict[str, Any], sizes: Sequence[int]) -> str:
         + (
             "Store operations are calls of the `CoordinationStore` methods by the round's "
             "handlers, counted by a proxy around each node's store client (`get_many` of N "
-            "keys is one; a c10d `get` is two TCPStore requests, `check` and `get`); the "
-            "heartbeat thread's connection is not counted."
+            "keys is one; `wait_value`, which every node reads the round's record with, is "
+            "one: on etcd and Redis the watch event or message carries the value, on c10d "
+            "it is a wait and a read); the heartbeat thread's connection is not counted."
             if counted == "store operations"
             else "Store requests are TCPStore requests of the round's handlers; heartbeat "
             "connections are not counted."
         ),
         "",
-        f"| N | store | first node done s | last node done s | {counted} per round | per node |",
-        "|---|---|---|---|---|---|",
+        f"| N | store | first node done s | last node done s | {counted} per round | per node "
+        "| nodes' CPU s | server's CPU s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for n in sizes:
         for name in stores:
@@ -1077,11 +1132,21 @@ def render(results: dict[str, Any], sizes: Sequence[int]) -> str:
                 requests = statistics.median(counts)
                 measured = (
                     f"{record['median_first_done']:.3f} | {record['median_seconds']:.3f} | "
-                    f"{requests:.0f} | {requests / n:.1f}"
+                    f"{requests:.0f} | {requests / n:.1f} | "
+                    f"{cpu_cell(record, 'nodes_cpu')} | {cpu_cell(record, 'server_cpu')}"
                 )
             else:
-                measured = f"{cell(record)} | | |"
+                measured = f"{cell(record)} | | | | |"
             lines.append(f"| {n} | {name} | {measured} |")
+    lines += [
+        "",
+        "CPU: user and system seconds from the release until the last node returned, median "
+        "of the runs: of the worker processes (the nodes, their heartbeat threads and client "
+        "libraries), and of the store's server (etcd, redis-server; for c10d the harness "
+        f"process, which hosts the TCPStore). This machine has {results.get('cpus', '?')} "
+        "CPUs: where the two add up to about CPUs x seconds, the round was bound by this "
+        "machine's CPU, shared by all N simulated nodes and the server, rather than by waiting.",
+    ]
     lines += [
         "",
         "Decoding is `records.decode_round` of an N-member record, timed alone: every node",
@@ -1249,6 +1314,7 @@ def main() -> None:
     results: dict[str, Any] = {
         **common.measured_on(began),
         "python": platform.python_version(),
+        "cpus": os.cpu_count(),
         "torch": torch.__version__,
         "git": git,
         "servers": server_versions(names),
