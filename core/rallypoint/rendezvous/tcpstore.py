@@ -15,10 +15,12 @@ import datetime
 import os
 import socket
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from rallypoint.rendezvous.store import CounterLiveness, StoreError, StoreUnavailable
+
+T = TypeVar("T")
 
 #: The longest one attempt to connect again may take: the protocol retries it with backoff.
 RECONNECT_TIMEOUT = 5.0
@@ -183,45 +185,52 @@ class TCPStoreClient(CounterLiveness):
 
     def wait(self, keys: Sequence[str], timeout: float) -> bool:
         store = self._connection()
-        deadline = time.monotonic() + timeout
-        while True:
-            # In slices: torch's C++ wait holds the thread past signals, and the agent
-            # leaves a rendezvous on SIGTERM (its handler runs between two slices).
-            left = deadline - time.monotonic()
-            slice_ = datetime.timedelta(seconds=min(max(left, 0.001), WAIT_SLICE))
-            try:
-                store.wait(list(keys), slice_)
-            except (RuntimeError, self._dist.DistStoreError) as error:
-                if not _timed_out(self._dist, error):
-                    raise self._failed(error) from None
-                if left <= WAIT_SLICE:
-                    return False
-                continue
-            self._seen_keys.update(keys)
+
+        def attempt(slice_: datetime.timedelta) -> bool:
+            store.wait(list(keys), slice_)
             return True
+
+        if self._in_slices(timeout, attempt) is None:
+            return False
+        self._seen_keys.update(keys)
+        return True
 
     def wait_value(self, key: str, timeout: float) -> bytes | None:
         # TCPStore's own get: it waits for the key and reads it in one call (two round
         # trips); its timeout, the store's, is set to each slice.
         store = self._connection()
-        deadline = time.monotonic() + timeout
+
+        def attempt(slice_: datetime.timedelta) -> bytes:
+            store.set_timeout(slice_)
+            return bytes(store.get(key))
+
         try:
-            while True:
-                left = deadline - time.monotonic()
-                store.set_timeout(datetime.timedelta(seconds=min(max(left, 0.001), WAIT_SLICE)))
-                try:
-                    value = bytes(store.get(key))
-                except (RuntimeError, self._dist.DistStoreError) as error:
-                    if not _timed_out(self._dist, error):
-                        raise self._failed(error) from None
-                    if left <= WAIT_SLICE:
-                        return None
-                    continue
-                self._seen_keys.add(key)
-                return value
+            value = self._in_slices(timeout, attempt)
         finally:
             if self._store is store:
                 store.set_timeout(datetime.timedelta(seconds=self.timeout))
+        if value is not None:
+            self._seen_keys.add(key)
+        return value
+
+    def _in_slices(self, timeout: float, attempt: Callable[[datetime.timedelta], T]) -> T | None:
+        """``attempt(slice)``, a blocking TCPStore call, until it returns; None once
+        ``timeout`` passed. In slices of at most WAIT_SLICE: torch's C++ waits hold the
+        thread past signals, and the agent leaves a rendezvous on SIGTERM (its handler
+        runs between two slices)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return attempt(datetime.timedelta(seconds=min(max(left, 0.001), WAIT_SLICE)))
+            except (RuntimeError, self._dist.DistStoreError) as error:
+                timed_out = isinstance(error, self._dist.DistStoreError) and (
+                    "timeout" in str(error).lower()
+                )
+                if not timed_out:
+                    raise self._failed(error) from None
+                if left <= WAIT_SLICE:
+                    return None
 
     def delete_prefix(self, prefix: str) -> int:
         """Delete the keys under ``prefix`` that this client and its clones wrote (TCPStore
@@ -256,11 +265,6 @@ class TCPStoreClient(CounterLiveness):
     def close(self) -> None:
         self._closed = True
         self._store = None
-
-
-def _timed_out(dist: Any, error: Exception) -> bool:
-    """Whether a TCPStore wait or get ended at its timeout (rather than failing)."""
-    return isinstance(error, dist.DistStoreError) and "timeout" in str(error).lower()
 
 
 def _first_line(error: Exception) -> str:
