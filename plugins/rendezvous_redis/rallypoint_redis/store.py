@@ -710,12 +710,13 @@ def _probe(store: RedisStore, retry_timeout: float) -> None:
 def _eviction_policy(store: RedisStore) -> str | None:
     """The server's maxmemory-policy, or None where CONFIG is renamed or forbidden."""
     try:
-        reply = store._client.config_get("maxmemory-policy")
+        # On the store's own connection: the pool's would stay open, idle, for the job.
+        reply = store._command("CONFIG", "GET", "maxmemory-policy")  # [name, value]
     except redis.ResponseError:
         return None
     except redis.RedisError as error:
         raise translate(error, store.target) from None
-    value = reply.get("maxmemory-policy") or reply.get(b"maxmemory-policy")
-    if value is None:
+    if not isinstance(reply, list) or len(reply) < 2:
         return None
+    value = reply[1]
     return value.decode() if isinstance(value, bytes) else str(value)
