@@ -184,6 +184,11 @@ class RedisStore:
 
     def _drop_connection(self) -> None:
         connection, self._connection = self._connection, None
+        self._disconnect(connection)
+
+    def _disconnect(self, connection: Any) -> None:
+        """Close ``connection`` (if any) and give it back to the pool, which reopens it
+        when it is taken again."""
         if connection is not None:
             connection.disconnect()
             self._client.connection_pool.release(connection)
@@ -303,8 +308,7 @@ class RedisStore:
 
     def _check(self, state: _Pending, keys: Sequence[str]) -> None:
         """Read ``keys``: those that exist leave ``state.pending``, their values kept."""
-        # One request, one reply.
-        values = [self._command("GET", keys[0])] if len(keys) == 1 else self._command("MGET", *keys)
+        values = self._command("MGET", *keys)  # one request, one reply
         for key, value in zip(keys, values, strict=True):
             if value is not None:
                 state.pending.discard(key)
@@ -416,9 +420,7 @@ class RedisStore:
         subscriber, self._subscriber = self._subscriber, None
         self._channels = set()
         self._kept = None
-        if subscriber is not None:
-            subscriber.disconnect()
-            self._client.connection_pool.release(subscriber)
+        self._disconnect(subscriber)
 
 
 @dataclass
