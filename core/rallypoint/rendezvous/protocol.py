@@ -402,10 +402,10 @@ class StoreRendezvous:
         )
         self.store.set(self.keys.of_round(round_, "node", index), records.encode(mine))
         if index == 1:
-            self._lead(round_, deadline)
-        return self._wait_closed(round_, deadline, leader_is_me=index == 1)
+            return self._lead(round_, deadline)
+        return self._wait_closed(round_, deadline)
 
-    def _wait_closed(self, round_: int, deadline: float, leader_is_me: bool) -> records.RoundRecord:
+    def _wait_closed(self, round_: int, deadline: float) -> records.RoundRecord:
         """The record of ``round_`` once its leader closed it (one read, which the wait
         answers); if the leader dies first (it stopped keeping itself alive), end the
         round so that the others form the next one."""
@@ -428,8 +428,6 @@ class StoreRendezvous:
                     f"rendezvous round {round_}: fewer than {s.min_nodes} nodes joined "
                     f"within join_timeout={s.join_timeout:g} s"
                 )
-            if leader_is_me:
-                continue
             if self._ended(round_):
                 raise _LeaderLost()  # another node ended it: its leader is gone
             if leader is None:
@@ -465,8 +463,8 @@ class StoreRendezvous:
             if previous is not None:
                 previous.release()
 
-    def _lead(self, round_: int, deadline: float) -> None:
-        """As the first joiner: wait for enough nodes, then close the round."""
+    def _lead(self, round_: int, deadline: float) -> records.RoundRecord:
+        """As the first joiner: wait for enough nodes, then close the round; its record."""
         s = self.settings
         keys = self.keys
         if round_ > 0 and not self._wait_leading(round_, keys.of_round(round_, "open"), deadline):
@@ -503,6 +501,7 @@ class StoreRendezvous:
             self.store.set(keys.of_round(round_, "closed"), records.encode(failed))
             raise
         self.store.set(keys.of_round(round_, "closed"), records.encode(record))
+        return record
 
     def _wait_leading(self, round_: int, key: str, deadline: float) -> bool:
         """As the leader of ``round_``: wait for ``key`` until ``deadline``, and give the
