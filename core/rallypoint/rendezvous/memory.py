@@ -27,6 +27,7 @@ class MemoryStore:
 
     def __init__(self, shared: _Shared | None = None) -> None:
         self._shared = shared or _Shared()
+        self._kept: set[str] = set()  # the keys this connection kept alive
 
     def add(self, key: str, amount: int) -> int:
         with self._shared.changed:
@@ -72,6 +73,7 @@ class MemoryStore:
     def keep_alive(self, key: str, ttl: float) -> None:
         with self._shared.changed:
             self._shared.expiry[key] = time.monotonic() + ttl
+            self._kept.add(key)
 
     def alive(self, key: str, ttl: float) -> bool:
         with self._shared.changed:
@@ -91,4 +93,8 @@ class MemoryStore:
         return MemoryStore(self._shared)
 
     def close(self) -> None:
-        return None
+        """The keys this connection kept alive die now."""
+        with self._shared.changed:
+            for key in self._kept:
+                self._shared.expiry.pop(key, None)
+            self._kept.clear()

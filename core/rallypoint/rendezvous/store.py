@@ -8,6 +8,7 @@ late joiners, dead-node detection, outage retries and the exit barrier.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Sequence
@@ -74,7 +75,8 @@ class CoordinationStore(Protocol):
 
     def keep_alive(self, key: str, ttl: float) -> None:
         """Say "``key``'s owner is alive" for ``ttl`` more seconds. The owner calls this
-        every ``ttl / 3`` s; a lease (etcd) or a key expiry (Redis) ends it when they stop."""
+        every ``ttl / 3`` s; a lease (etcd) or a key expiry (Redis) ends it when they stop,
+        and ``close`` ends it at once."""
         ...
 
     def alive(self, key: str, ttl: float) -> bool:
@@ -93,8 +95,15 @@ class CoordinationStore(Protocol):
         ...
 
     def close(self) -> None:
-        """Release the connection (and the server, if this process hosts it)."""
+        """Release the connection (and the server, if this process hosts it). The keys
+        kept alive through this connection stop being alive now (etcd revokes the lease,
+        Redis deletes the key): a node that leaves (its agent stopped, say by a
+        preemption's SIGTERM) is seen gone at once, not ``heartbeat_timeout`` later."""
         ...
+
+
+#: What ``CounterLiveness.end_liveness`` adds to a counter: far below zero, for good.
+_GONE = -(1 << 62)
 
 
 class CounterLiveness:
@@ -104,20 +113,33 @@ class CounterLiveness:
     A counter never seen before, or not read for longer than ``ttl`` (the store was
     unreachable), starts a new observation instead of counting as dead: only time this
     observer could see the counter and it stood still counts. Clones share what they saw.
+    An owner that closes its store (``end_liveness``) drops the counter below zero:
+    dead at once.
     """
 
     def __init__(self) -> None:
         self._seen: dict[str, tuple[int, float, float]] = {}  # value, moved at, read at
         self._lock = threading.Lock()
+        self._kept: set[str] = set()  # the keys this connection kept alive
 
     def add(self, key: str, amount: int) -> int:
         raise NotImplementedError
 
     def keep_alive(self, key: str, ttl: float) -> None:
         self.add(key, 1)
+        self._kept.add(key)
+
+    def end_liveness(self) -> None:
+        """The keys this connection kept alive are dead from now on (called by close)."""
+        kept, self._kept = self._kept, set()
+        for key in kept:
+            with contextlib.suppress(StoreError):  # an unreachable store: they lapse
+                self.add(key, _GONE)
 
     def alive(self, key: str, ttl: float) -> bool:
         value = self.add(key, 0)
+        if value < 0:  # its owner closed: gone
+            return False
         now = time.monotonic()
         with self._lock:
             seen = self._seen.get(key)
@@ -128,4 +150,6 @@ class CounterLiveness:
             return now - seen[1] <= ttl
 
     def _share_liveness(self, clone: CounterLiveness) -> None:
+        """``clone`` shares what this connection saw; what it keeps alive is its own."""
         clone._seen, clone._lock = self._seen, self._lock
+        clone._kept = set()

@@ -263,6 +263,8 @@ class TCPStoreClient(CounterLiveness):
         return clone
 
     def close(self) -> None:
+        if not self._closed and self._store is not None:
+            self.end_liveness()
         self._closed = True
         self._store = None
 

@@ -192,6 +192,18 @@ class StoreConformance:
             owner.close()
             observer.close()
 
+    def test_closing_ends_the_liveness_it_kept(self, connect: Connect, prefix: str) -> None:
+        owner, observer = connect(), connect()
+        key, ttl = prefix + "hb", 30.0
+        try:
+            owner.keep_alive(key, ttl)
+            assert observer.alive(key, ttl)
+            owner.close()  # the owner leaves (its agent stopped): gone now, not in 30 s
+            assert not observer.alive(key, ttl)
+        finally:
+            owner.close()
+            observer.close()
+
     def test_operations_ride_out_an_outage(
         self, connect: Connect, prefix: str, request: pytest.FixtureRequest
     ) -> None:
@@ -365,6 +377,26 @@ class StoreConformance:
                 time.sleep(0.1)
             again = nodes[0].next_round()
             assert again.info.members == ("n0",)
+        finally:
+            for node in nodes:
+                node.close()
+
+    def test_a_node_that_leaves_is_seen_gone_at_once(self, connect: Connect) -> None:
+        run_id = uuid.uuid4().hex
+        # heartbeat_timeout and last call far longer than the bound: the survivor's round
+        # can only close in time if the node that left is seen gone at once.
+        conf = {"heartbeat_timeout": 60.0, "last_call_timeout": 40.0}
+        nodes = [self._node(connect, run_id, f"n{i}", 1, 2, **conf) for i in range(2)]
+        try:
+            assignments = _in_threads(2, lambda i: nodes[i].next_round())
+            assert all(a.info.group_world_size == 2 for a in assignments), assignments
+            began = time.monotonic()
+            nodes[1].close()  # n1 leaves (its agent was stopped by a SIGTERM, say)
+            nodes[0].request_new_round()  # n0's workers failed with n1's
+            again = nodes[0].next_round()
+            took = time.monotonic() - began
+            assert again.info.members == ("n0",)
+            assert took < 15, f"the survivor waited {took:.1f} s for a node that had left"
         finally:
             for node in nodes:
                 node.close()

@@ -662,6 +662,8 @@ class ${cls}Store:
         return ${cls}Store(self.endpoint, self._memory.clone())
 
     def close(self) -> None:
+        """Release the connection; the keys kept alive through it die now (revoke the
+        lease, delete the key), so the other nodes see this one leave at once."""
         self._memory.close()
 '''
 

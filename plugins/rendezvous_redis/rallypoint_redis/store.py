@@ -19,7 +19,7 @@ How the store's operations map to Redis:
   methods, which cost about three times the CPU of the command (pool, checks, metrics).
 * ``keep_alive`` sets a key with a TTL (``PX``) that the owner refreshes; ``alive`` is
   whether the key exists. A dead agent's key expires on the server, so no other agent has
-  to watch clocks.
+  to watch clocks; an agent that stops (``close``) deletes it, so it is seen gone at once.
 
 redis-py's own retries are off: an unreachable server is ``StoreUnavailable`` at once,
 and the rendezvous protocol retries with its backoff for ``retry_timeout``. Nothing from
@@ -142,6 +142,7 @@ class RedisStore:
         self._subscriber: Any = None  # a redis.connection.Connection in subscribe mode
         self._channels: set[str] = set()  # what the subscriber is subscribed to
         self._kept: _Pending | None = None  # a wait that timed out, to go on with
+        self._alive_keys: set[str] = set()  # what keep_alive set here: deleted by close
         self._closed = False
 
     # --- errors ---------------------------------------------------------------------------
@@ -229,6 +230,7 @@ class RedisStore:
         # The key lives min(ttl, key_ttl): key_ttl bounds how long a dead agent looks alive.
         milliseconds = max(1, int(min(ttl, self.key_ttl) * 1000))
         self._call(lambda: self._command("SET", key, b"1", "PX", milliseconds))
+        self._alive_keys.add(key)
 
     def alive(self, key: str, ttl: float) -> bool:
         return bool(self._call(lambda: self._command("EXISTS", key)))
@@ -297,6 +299,13 @@ class RedisStore:
         self._command("PING")  # opens the command connection
 
     def close(self) -> None:
+        """Delete the keys kept alive here (the others see this node leave at once), on
+        a connection of the pool: ``close`` may come from another thread than the one
+        using this store's own; then release the connections."""
+        alive_keys, self._alive_keys = self._alive_keys, set()
+        if alive_keys and not self._closed:
+            with contextlib.suppress(redis.RedisError, OSError, ValueError):
+                self._client.delete(*alive_keys)
         self._closed = True
         with contextlib.suppress(redis.RedisError, OSError, ValueError):
             self._drop_subscriber()
