@@ -52,6 +52,20 @@ Outage = Callable[[float], None]
 _ORDERED = RankAssigner("ordered", "sorted by host and node id", ordered)
 
 
+def _later(timers: list[threading.Timer], call: Callable[..., Any], *args: Any) -> None:
+    """``call(*args)`` in 0.3 s, on another thread (kept in ``timers``)."""
+    timer = threading.Timer(0.3, call, args=args)
+    timers.append(timer)
+    timer.start()
+
+
+def _join(timers: list[threading.Timer]) -> None:
+    """Let the calls of ``timers`` finish before their stores are closed: one closed under
+    a call still reading its reply fails that call (an error in a thread nobody joins)."""
+    for timer in timers:
+        timer.join(10)
+
+
 def _in_threads(count: int, target: Callable[[int], Any], timeout: float = 60) -> list[Any]:
     """Run ``target(i)`` in ``count`` threads at once; return results (or exceptions)."""
     results: list[Any] = [None] * count
@@ -132,13 +146,15 @@ class StoreConformance:
 
     def test_wait_wakes_on_set_without_polling(self, connect: Connect, prefix: str) -> None:
         waiter, setter = connect(), connect()
+        timers: list[threading.Timer] = []
         try:
-            threading.Timer(0.3, setter.set, args=(prefix + "ready", b"1")).start()
+            _later(timers, setter.set, prefix + "ready", b"1")
             began = time.monotonic()
             assert waiter.wait([prefix + "ready"], 10)
             # Woken by the set, not by the 10 s timeout (the bound is generous on purpose).
             assert time.monotonic() - began < 5
         finally:
+            _join(timers)
             waiter.close()
             setter.close()
 
@@ -152,16 +168,18 @@ class StoreConformance:
         # store written before the interface had it.
         waiter, setter = RetryingStore(connect(), retry_timeout=0), connect()
         record = bytes(range(256)) * 256  # a round record of a thousand nodes is this big
+        timers: list[threading.Timer] = []
         try:
             assert waiter.wait_value(prefix + "record", 0.2) is None  # times out: None
-            threading.Timer(0.3, setter.set, args=(prefix + "record", record)).start()
+            _later(timers, setter.set, prefix + "record", record)
             began = time.monotonic()
             assert waiter.wait_value(prefix + "record", 10) == record
             assert time.monotonic() - began < 5  # woken by the set, not by the timeout
             assert waiter.wait_value(prefix + "record", 0) == record  # there already
-            threading.Timer(0.3, setter.add, args=(prefix + "count", 3)).start()
+            _later(timers, setter.add, prefix + "count", 3)
             assert waiter.wait_value(prefix + "count", 10) == b"3"  # a counter: its total
         finally:
+            _join(timers)
             waiter.close()
             setter.close()
 
@@ -263,16 +281,18 @@ class StoreConformance:
         # second wait on the same keys (which may share the first one's subscription).
         first, second, writer = connect(), connect(), connect()
         keys = [prefix + "a", prefix + "b"]
+        timers: list[threading.Timer] = []
         try:
             earlier = threading.Thread(target=first.wait, args=(keys, 5.0), daemon=True)
             earlier.start()
             time.sleep(0.3)  # the first wait has begun (its outcome is not checked)
             writer.set(keys[0], b"1")
             writer.delete_prefix(prefix)
-            threading.Timer(0.3, writer.set, args=(keys[1], b"1")).start()
+            _later(timers, writer.set, keys[1], b"1")
             assert not second.wait(keys, 1.5), "a deleted key counted as present"
             earlier.join(10)
         finally:
+            _join(timers)
             for client in (first, second, writer):
                 client.close()
 
@@ -363,13 +383,22 @@ class StoreConformance:
             for node in [*members, extra]:
                 node.close()
 
-    def test_a_dead_node_is_detected_and_the_survivor_reforms(self, connect: Connect) -> None:
+    def _pair(self, connect: Connect, **conf: float) -> list[StoreRendezvous]:
+        """Two nodes of a ``1:2`` job that formed their first round together."""
         run_id = uuid.uuid4().hex
-        conf = {"heartbeat_timeout": 2.0, "last_call_timeout": 0.5}
         nodes = [self._node(connect, run_id, f"n{i}", 1, 2, **conf) for i in range(2)]
         try:
             assignments = _in_threads(2, lambda i: nodes[i].next_round())
             assert all(a.info.group_world_size == 2 for a in assignments), assignments
+        except BaseException:
+            for node in nodes:
+                node.close()
+            raise
+        return nodes
+
+    def test_a_dead_node_is_detected_and_the_survivor_reforms(self, connect: Connect) -> None:
+        nodes = self._pair(connect, heartbeat_timeout=2.0, last_call_timeout=0.5)
+        try:
             nodes[1]._stop_heartbeats()  # n1 dies: it stops keeping itself alive
             began = time.monotonic()
             while nodes[0].nodes_waiting() == 0:
@@ -382,14 +411,10 @@ class StoreConformance:
                 node.close()
 
     def test_a_node_that_leaves_is_seen_gone_at_once(self, connect: Connect) -> None:
-        run_id = uuid.uuid4().hex
         # heartbeat_timeout and last call far longer than the bound: the survivor's round
         # can only close in time if the node that left is seen gone at once.
-        conf = {"heartbeat_timeout": 60.0, "last_call_timeout": 40.0}
-        nodes = [self._node(connect, run_id, f"n{i}", 1, 2, **conf) for i in range(2)]
+        nodes = self._pair(connect, heartbeat_timeout=60.0, last_call_timeout=40.0)
         try:
-            assignments = _in_threads(2, lambda i: nodes[i].next_round())
-            assert all(a.info.group_world_size == 2 for a in assignments), assignments
             began = time.monotonic()
             nodes[1].close()  # n1 leaves (its agent was stopped by a SIGTERM, say)
             nodes[0].request_new_round()  # n0's workers failed with n1's
