@@ -278,7 +278,27 @@ def render(results: dict[str, object], command: str) -> str:
     ]
     for title, image in results["charts"]:  # type: ignore[attr-defined]
         lines += [f"![{title}]({image})", ""]
+    lines += MORE_BENCHMARKS
     return "\n".join(lines)
+
+
+#: The other benchmarks' pages, each written by its own script (``make bench`` runs all).
+MORE_BENCHMARKS = [
+    "## More benchmarks",
+    "",
+    "Each on its own page, written by its own script; `make bench` runs them all.",
+    "",
+    "- [Rendezvous](benchmarks-rendezvous.md) (`benchmarks/bench_rendezvous.py`): time to",
+    "  form one round of 8 to 1024 simulated nodes on the c10d, etcd and Redis backends,",
+    "  beside torch's c10d rendezvous.",
+    "- [Node-kill recovery](benchmarks-recovery.md) (`benchmarks/bench_recovery.py`): from",
+    "  the SIGKILL of one of two nodes to the survivors training again, beside torchrun.",
+    "- [Checkpoint saves](benchmarks-checkpoint.md) (`benchmarks/bench_checkpoint.py`):",
+    "  how long a save stops the training loop, `torch.save` against the asynchronous mode.",
+    "- [Worker metrics](benchmarks-metrics.md) (`benchmarks/bench_metrics.py`): what",
+    "  worker metrics cost a training step.",
+    "",
+]
 
 
 def main() -> None:

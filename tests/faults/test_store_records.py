@@ -206,7 +206,7 @@ CASES = [
         "another version",
         "state",
         lambda s, t: json.dumps({"kind": "counter", "version": 1, "value": 0}).encode(),
-        "has version 1; this rallypoint reads version 2",
+        f"has version 1; this rallypoint reads version {records.VERSION}",
     ),
     Case("another kind", "state", lambda s, t: b'{"kind": "node"}', "not a rallypoint counter"),
     Case("a JSON list", "state", lambda s, t: b"[1, 2, 3]", "not a rallypoint counter"),
@@ -229,14 +229,30 @@ CASES = [
     Case(
         "fields missing",
         "closed",
-        lambda s, t: json.dumps({"kind": "round", "version": 2, "round": 0}).encode(),
+        lambda s, t: json.dumps({"kind": "round", "version": records.VERSION, "round": 0}).encode(),
         "is malformed: KeyError('node_ids')",
     ),
     Case(
         "the leader's, fields missing",
         "leader",
-        lambda s, t: json.dumps({"kind": "node", "version": 2, "node_id": "ghost"}).encode(),
+        lambda s, t: json.dumps(
+            {"kind": "node", "version": records.VERSION, "node_id": "ghost"}
+        ).encode(),
         "is malformed: KeyError('host')",
+    ),
+    Case(
+        "runs that count another number of members",
+        "closed",
+        lambda s, t: round_record(0, ("x", "y"), s.run_id).replace(
+            b'"nprocs":[[2,1]]', b'"nprocs":[[1000000000000,1]]'
+        ),
+        "do not count the 2 members",
+    ),
+    Case(
+        "the leader's, a space in its node id",
+        "leader",
+        lambda s, t: node_record("gh ost", s.run_id),
+        "whitespace",
     ),
     Case(
         "the leader's, a wrong type",
@@ -449,6 +465,17 @@ def test_records_round_trip_as_json_only() -> None:
     assert records.decode_node(keys.of_round(3, "node", 1), records.encode(node)) == node
     raw = records.encode(closed)
     assert records.decode_round(keys.of_round(3, "closed"), raw) == closed
+    # Members compactly: ids and hosts as text, nprocs as [count, nproc] runs.
+    data = json.loads(raw)
+    assert (data["node_ids"], data["hosts"], data["nprocs"]) == ("a b", "h i", [[1, 2], [1, 1]])
+    for shape in [
+        records.RoundRecord(0, ("a",), ("",), (8,), "h", 1, run_id=RUN),  # a host unknown
+        records.RoundRecord(0, ("a", "b", "c"), ("h", "", "h"), (8, 8, 4), "h", 1, run_id=RUN),
+        records.RoundRecord(0, (), (), (), "", 0, error="no", run_id=RUN),
+    ]:
+        assert records.decode_round(keys.of_round(0, "closed"), records.encode(shape)) == shape
+    with pytest.raises(ValueError, match="without spaces"):
+        records.encode(records.RoundRecord(0, ("a b",), ("h",), (1,), "h", 1, run_id=RUN))
     assert records.decode_int(keys.state(), records.encode_int(5)) == 5
     # The same bytes under another job's keys are another job's record.
     with pytest.raises(StoreError, match="belongs to run 'job'"):

@@ -216,6 +216,11 @@ class StoreRendezvous:
         master_addr: str | None = None,
         master_port: int | None = None,
     ) -> None:
+        if not records.usable_id(node.node_id) or not records.usable_host(node.host):
+            raise RallypointError(
+                f"node id {node.node_id!r} and host {node.host!r}: a rendezvous needs a "
+                "non-empty node id, and neither may contain whitespace"
+            )
         self.store = RetryingStore(store, settings.retry_timeout)
         self.keys = Keys(settings.prefix, run_id)
         self.node = node

@@ -10,13 +10,17 @@ another job (copied, or written by a program that mixed up its keys) is an error
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from rallypoint.rendezvous.store import StoreError
 
-#: 2: node and round records carry ``run_id``.
-VERSION = 2
+#: 2: node and round records carry ``run_id``. 3: a round record lists its members
+#: compactly (node ids and hosts as space-separated text, nprocs as runs).
+VERSION = 3
+
+_WHITESPACE = re.compile(r"\s")
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,11 @@ class RoundRecord:
     """A closed round: its members in group-rank order, and where rank 0 listens.
 
     Parallel tuples rather than one object per member: every node reads this record, so
-    at a thousand nodes its size and decoding time matter. ``error`` is set instead when
+    at a thousand nodes its size and decoding time matter. In the store ``node_ids`` and
+    ``hosts`` are text, separated by spaces (neither holds whitespace: a node record
+    that does is refused), and ``nprocs`` is a list of ``[count, nproc]`` runs
+    (``[[1024, 8]]``): reading them is two splits rather than a JSON value per member,
+    half the decoding time of lists at 1024 nodes. ``error`` is set instead when
     the round could not be formed (the rank assigner failed, say), so that every node
     stops with the leader's reason rather than waiting for a round that never comes.
     """
@@ -57,7 +65,53 @@ def encode(record: NodeRecord | RoundRecord) -> bytes:
     # The fields as they are (json writes tuples as lists): ``asdict`` would deep-copy
     # every member list first, which costs more than writing the JSON.
     fields_ = {name: getattr(record, name) for name in _FIELDS[kind]}
+    if isinstance(record, RoundRecord):
+        if not all(map(usable_id, record.node_ids)) or not all(map(usable_host, record.hosts)):
+            raise ValueError("node ids must be non-empty, and ids and hosts without spaces")
+        fields_["node_ids"] = " ".join(record.node_ids)
+        fields_["hosts"] = " ".join(record.hosts)
+        fields_["nprocs"] = _runs(record.nprocs)
     return json.dumps({"kind": kind, "version": VERSION, **fields_}, separators=(",", ":")).encode()
+
+
+def usable_id(node_id: str) -> bool:
+    """Whether ``node_id`` can be in a round record: not empty, and without whitespace
+    (which separates the members there)."""
+    return bool(node_id) and _WHITESPACE.search(node_id) is None
+
+
+def usable_host(host: str) -> bool:
+    """Whether ``host`` can be in a round record: without whitespace."""
+    return _WHITESPACE.search(host) is None
+
+
+def _runs(values: tuple[int, ...]) -> list[list[int]]:
+    """``(8, 8, 8, 4)`` as ``[[3, 8], [1, 4]]``."""
+    runs: list[list[int]] = []
+    for value in values:
+        if runs and runs[-1][1] == value:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, value])
+    return runs
+
+
+def _expand(runs: Any, size: int) -> tuple[int, ...]:
+    """``[[3, 8], [1, 4]]`` as ``(8, 8, 8, 4)`` for ``size`` members; anything else (runs
+    that are not pairs of positive integers, or count other than ``size``) is an error."""
+    if not isinstance(runs, list):
+        raise TypeError("nprocs must be a list of [count, nproc] runs")
+    for run in runs:
+        if not isinstance(run, list) or len(run) != 2 or set(map(type, run)) != {int}:
+            raise ValueError(f"nprocs run {run!r} is not a [count, nproc] pair of integers")
+        if min(run) < 1:
+            raise ValueError(f"nprocs run {run!r} is not of positive integers")
+    if sum(run[0] for run in runs) != size:
+        raise ValueError(f"the nprocs runs do not count the {size} members")
+    nprocs: list[int] = []
+    for count, nproc in runs:
+        nprocs += [nproc] * count
+    return tuple(nprocs)
 
 
 _FIELDS = {
@@ -98,6 +152,11 @@ def _node(key: str, data: Any) -> NodeRecord:
         raise StoreError(f"rendezvous record {key!r} is malformed: {error!r}") from None
     if record.nproc < 1 or not 0 <= record.port <= 65535:
         raise StoreError(f"rendezvous record {key!r} is malformed: bad nproc or port")
+    if not usable_id(record.node_id) or not usable_host(record.host):
+        raise StoreError(
+            f"rendezvous record {key!r} is malformed: an empty node id, or whitespace in "
+            "its node id or host"
+        )
     return record
 
 
@@ -121,9 +180,13 @@ def decode_node(key: str, raw: bytes) -> NodeRecord:
 def decode_round(key: str, raw: bytes) -> RoundRecord:
     data = _load(key, raw, "round")
     try:
-        node_ids = tuple(data["node_ids"])
-        hosts = tuple(data["hosts"])
-        nprocs = tuple(data["nprocs"])
+        ids_text, hosts_text = data["node_ids"], data["hosts"]
+        if not isinstance(ids_text, str) or not isinstance(hosts_text, str):
+            raise TypeError("node_ids and hosts must be text")
+        node_ids = tuple(ids_text.split(" ")) if ids_text else ()
+        # An empty host is allowed (one member's is ""): as many hosts as node ids.
+        hosts = tuple(hosts_text.split(" ")) if node_ids or hosts_text else ()
+        nprocs = _expand(data["nprocs"], len(node_ids))
         record = RoundRecord(
             round=int(data["round"]),
             node_ids=node_ids,
@@ -137,14 +200,11 @@ def decode_round(key: str, raw: bytes) -> RoundRecord:
     except (KeyError, TypeError, ValueError) as error:
         raise StoreError(f"rendezvous record {key!r} is malformed: {error!r}") from None
     # Every node decodes this record, of N members: the checks run over whole tuples in C
-    # (set of types, min), not element by element in Python, a third of the cost at 1024.
+    # (split, set, "in"), not element by element in Python.
     well_formed = (
-        len(node_ids) == len(hosts) == len(nprocs)
+        len(node_ids) == len(hosts)
         and (record.error or node_ids)
-        and set(map(type, node_ids)) <= {str}
-        and set(map(type, hosts)) <= {str}
-        and set(map(type, nprocs)) <= {int}
-        and (not nprocs or min(nprocs) > 0)
+        and "" not in node_ids
         and 0 <= record.master_port <= 65535
     )
     if not well_formed:
