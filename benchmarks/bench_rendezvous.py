@@ -238,6 +238,7 @@ def run_share(conn: Connection, go: Any, abort: Any, job: Job, indices: list[int
     ``go``, join the round (timed). Report, then close the nodes when told to."""
     nodes = Nodes()
     handlers: dict[int, Any] = {}
+    returned: dict[int, Any] = {}  # what each node's call returned, checked after the run
     make = node_factory(job, nodes.requests, threading.Lock(), handlers)
     ready = threading.Semaphore(0)
     release = threading.Event()
@@ -266,7 +267,9 @@ def run_share(conn: Connection, go: Any, abort: Any, job: Job, indices: list[int
             nodes.errors[i] = repr(error)
             return
         nodes.ends[i] = time.perf_counter()
-        nodes.results[i] = outcome(job.name, i, result)
+        # Summarised once every node is done: digesting the N-member list here would
+        # take the GIL from the nodes still reading the round.
+        returned[i] = result
 
     # Daemon threads: a node stuck in a rendezvous that never completes must not keep the
     # process alive.
@@ -288,6 +291,7 @@ def run_share(conn: Connection, go: Any, abort: Any, job: Job, indices: list[int
     for thread in threads if not abort.value else ():  # an aborted run is not waited for
         thread.join(max(0.0, end - time.monotonic()))
     cpu = cpu_seconds() - began
+    nodes.results = {i: outcome(job.name, i, result) for i, result in returned.items()}
     conn.send(("done", nodes.ends, nodes.results, nodes.errors, dict(nodes.requests), cpu))
     conn.recv()  # "close"
     close_nodes(job.name, handlers)
