@@ -217,6 +217,7 @@ class StoreConformance:
             owner.keep_alive(key, ttl)
             assert observer.alive(key, ttl)
             owner.close()  # the owner leaves (its agent stopped): gone now, not in 30 s
+            owner.close()  # again: harmless, and the observer's connection is untouched
             assert not observer.alive(key, ttl)
         finally:
             owner.close()

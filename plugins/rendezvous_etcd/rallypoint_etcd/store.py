@@ -555,6 +555,7 @@ class EtcdStore:
     ) -> None:
         self._leases: dict[bytes, tuple[int, int]] = {}  # key -> (lease id, ttl)
         self._watch: _Watch | None = None
+        self._closed = False  # a second close must not let go of the shared connection again
         if _connection is not None:
             self._connection = _connection
             return
@@ -872,6 +873,9 @@ class EtcdStore:
     def close(self) -> None:
         """Release the connection; a key kept alive here is deleted now (its lease is
         revoked), so the other nodes see this one leave at once, not after the TTL."""
+        if self._closed:
+            return
+        self._closed = True
         self._drop_watch()
         leases, self._leases = list(self._leases.values()), {}
         for lease_id, _ in leases:
