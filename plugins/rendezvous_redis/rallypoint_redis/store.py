@@ -246,8 +246,9 @@ class RedisStore:
         if state is None:
             return None
         value = state.values.get(key)
-        # Found by a check after a PING (its value not read), or published by an
-        # older rallypoint (which published no value): read it.
+        # Every read keeps the values it found; a message keeps its payload unless empty:
+        # a key created empty, or announced by an older rallypoint (which published no
+        # value). Then read it.
         return value if value is not None else self.get(key)
 
     def _waiting(self, keys: list[str], timeout: float) -> _Pending | None:
