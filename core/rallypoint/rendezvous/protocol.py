@@ -3,9 +3,10 @@
 Keys live under ``<prefix>/<run id>/`` (``prefix`` is ``/rallypoint`` unless the backend
 has a ``prefix`` option), so two jobs never meet. For round ``r``:
 
-* ``state`` - the round the job is in (a counter record); moving it from ``r`` to ``r+1``
-  (compare-and-set) ends round ``r`` for everybody: a node died, a worker failed, or a
-  late node wants in. ``r+1/open`` is set right after, and that is what members wait on.
+* ``state`` - the round the job is in (a counter record), absent while it is in round 0
+  (so a new job's nodes only read it); moving it from ``r`` to ``r+1`` (compare-and-set)
+  ends round ``r`` for everybody: a node died, a worker failed, or a late node wants in.
+  ``r+1/open`` is set right after, and that is what members wait on.
 * ``r/joined`` - an atomic counter; each joiner's value is its join index ``i``.
 * ``r/node/<i>`` - the joiner's ``NodeRecord``; its existence also marks "``i`` joined",
   which is what the leader waits on, so waiting is event-driven (``wait`` on a key).
@@ -255,9 +256,10 @@ class StoreRendezvous:
     # --- state ----------------------------------------------------------------------------
 
     def _state(self) -> int:
-        """The job's round; the first node of a new job creates it (one request either way)."""
-        key = self.keys.state()
-        return records.decode_int(key, self.store.compare_set(key, None, _int(0)))
+        """The job's round (one read): 0 while the state key is absent. A new job writes
+        nothing here until its first round ends: when a thousand nodes start at once, none
+        of them has to create the key (a write, which on etcd goes through Raft)."""
+        return _round_of(self.keys.state(), self.store.get(self.keys.state()))
 
     def _advance(
         self, from_round: int, expected: int, store: CoordinationStore | None = None
@@ -270,7 +272,11 @@ class StoreRendezvous:
         store = store or self.store
         keys = self.keys
         store.compare_set(keys.of_round(from_round + 1, "expected"), None, _int(expected))
-        store.compare_set(keys.state(), _int(from_round), _int(from_round + 1))
+        following = _int(from_round + 1)
+        if from_round > 0:
+            store.compare_set(keys.state(), _int(from_round), following)
+        elif store.compare_set(keys.state(), None, following) == _int(0):
+            store.compare_set(keys.state(), _int(0), following)  # round 0, written out
         # Only an opened round may close: a node that came to a full job waits for this.
         store.set(keys.of_round(from_round + 1, "open"), b"1")
 
@@ -754,10 +760,7 @@ class StoreRendezvous:
     def _report_progress(self, store: CoordinationStore, deadline: float) -> None:
         """While this node waits: who has joined, and the time left."""
         s = self.settings
-        raw = store.get(self.keys.state())
-        if raw is None:  # the run finished and its keys were deleted
-            return
-        round_ = records.decode_int(self.keys.state(), raw)
+        round_ = _round_of(self.keys.state(), store.get(self.keys.state()))
         joined = store.add(self.keys.of_round(round_, "joined"), 0)
         logger.info(
             "rendezvous round %d: %d of %d:%d nodes joined; %.0f s left before join_timeout",
@@ -771,6 +774,11 @@ class StoreRendezvous:
 
 def _int(value: int) -> bytes:
     return records.encode_int(value)
+
+
+def _round_of(key: str, state: bytes | None) -> int:
+    """The round a job's state record says (0 if there is none: round 0)."""
+    return records.decode_int(key, state) if state is not None else 0
 
 
 def _usable_joiners(
