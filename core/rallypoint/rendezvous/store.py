@@ -84,10 +84,12 @@ class CoordinationStore(Protocol):
         ...
 
     def delete_prefix(self, prefix: str) -> int:
-        """Delete every key that starts with ``prefix``, liveness keys included; return how
-        many were deleted. The protocol calls it once a run has finished cleanly, with the
-        run's root (``<prefix>/<run id>/``), so that a finished job leaves nothing behind.
-        A ``wait`` on a deleted key waits for it to be set again."""
+        """Delete every key that starts with ``prefix``, with the liveness kept under it (a
+        key, or a key's expiry); return how many keys were deleted. The protocol calls it
+        once a run has finished cleanly, with the run's root (``<prefix>/<run id>/``), so
+        that a finished job leaves nothing behind. Liveness kept outside the key space (an
+        etcd lease) is ended by ``close``. A ``wait`` on a deleted key waits for it to be
+        set again."""
         ...
 
     def clone(self) -> CoordinationStore:

@@ -89,6 +89,11 @@ def _in_threads(count: int, target: Callable[[int], Any], timeout: float = 60) -
 class StoreConformance:
     """Subclass with a ``connect`` fixture; every test runs against the real store."""
 
+    #: Whether ``keep_alive`` keeps its liveness under the key it is given (a key, or a
+    #: key's expiry), which ``delete_prefix`` then deletes and counts. A store that keeps
+    #: it elsewhere (etcd: in a lease, which ``close`` revokes) sets this to False.
+    liveness_is_a_key = True
+
     @pytest.fixture
     def store(self, connect: Connect) -> Iterator[CoordinationStore]:
         client = connect()
@@ -254,7 +259,7 @@ class StoreConformance:
         store.keep_alive(run + "hb", 30)
         store.set(prefix + "run-other", b"kept")  # the same text, not under run/
         store.set(prefix + "outside", b"kept")
-        assert store.delete_prefix(run) == 4
+        assert store.delete_prefix(run) == 3 + self.liveness_is_a_key
         assert store.get_many([run + "a", run + "n", run + "cas", run + "hb"]) == [None] * 4
         assert store.get_many([prefix + "run-other", prefix + "outside"]) == [b"kept"] * 2
         # Deleted keys start again from nothing; a wait on one waits for a new write.
@@ -270,7 +275,7 @@ class StoreConformance:
         try:
             other.set(prefix + "theirs", b"1")
             other.keep_alive(prefix + "their-hb", 30)
-            assert store.delete_prefix(prefix) == 2
+            assert store.delete_prefix(prefix) == 1 + self.liveness_is_a_key
             assert other.get(prefix + "theirs") is None
         finally:
             other.close()
@@ -350,11 +355,18 @@ class StoreConformance:
 
     def test_a_late_node_ends_the_round_when_there_is_room(self, connect: Connect) -> None:
         run_id = uuid.uuid4().hex
+        from rallypoint.rendezvous import records
+        from rallypoint.rendezvous.protocol import Keys
+
+        state = Keys("/rallypoint", run_id).state()
         first = self._node(connect, run_id, "a", 1, 2, last_call_timeout=0.5)
         late = self._node(connect, run_id, "b", 1, 2, last_call_timeout=0.5)
+        reader = connect()
         try:
             assert first.next_round().info.group_world_size == 1
             assert first.nodes_waiting() == 0
+            # Round 0 writes no state: a new job's nodes only read it (absent: round 0).
+            assert reader.get(state) is None
             joined: list[Any] = []
             thread = threading.Thread(target=lambda: joined.append(late.next_round()), daemon=True)
             thread.start()
@@ -366,9 +378,11 @@ class StoreConformance:
             thread.join(30)
             assert again.info.group_world_size == 2
             assert joined[0].info.members == again.info.members
+            assert reader.get(state) == records.encode_int(1)
         finally:
             first.close()
             late.close()
+            reader.close()
 
     def test_a_full_job_never_gets_a_second_round(self, connect: Connect) -> None:
         run_id = uuid.uuid4().hex

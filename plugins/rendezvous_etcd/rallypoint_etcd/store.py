@@ -16,8 +16,10 @@ a key), and none of them polls:
   ``wait`` on the same keys (the heartbeat thread waits on one key in short slices);
   ``wait_value`` reads the value with the key, or takes it from the watch event, so
   every node gets the round's record without another request;
-* ``keep_alive`` attaches the key to a lease and renews it; ``alive`` is "the key exists":
-  when an agent dies, etcd expires its lease and deletes the key.
+* ``keep_alive`` grants a lease whose ID is derived from the key, then renews it;
+  ``alive`` asks etcd for that lease (LeaseTimeToLive). When an agent dies, etcd expires
+  its lease; when it leaves, ``close`` revokes it. A heartbeat is one request, and the
+  leases hold no keys.
 
 The gRPC calls use ``pyetcd``'s generated stubs and its watcher; endpoints, failover,
 authentication tokens and errors are handled here, so that no client-library exception
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import math
 import os
 import re
@@ -70,7 +73,6 @@ _MARK = b"\x00rallypoint.counter\x00"
 _MARK_END = _MARK[:-1] + b"\x01"  # every value that starts with _MARK sorts below this
 #: etcd refuses transactions of more operations (its --max-txn-ops default).
 _MAX_TXN_OPS = 128
-_ALIVE = b"alive"
 
 _UNREACHABLE = frozenset(
     {
@@ -432,6 +434,31 @@ def _unary(
     return getattr(service, method)(request, timeout=timeout, metadata=metadata)
 
 
+def _unless_exists(request: Any, channel: Any, metadata: Any, timeout: float) -> Any:
+    """A LeaseGrant; None when etcd has a lease of that ID already."""
+    try:
+        return _unary(etcdrpc.LeaseStub, "LeaseGrant", request, channel, metadata, timeout)
+    except grpc.RpcError as error:
+        if _code(error) == grpc.StatusCode.FAILED_PRECONDITION and "exists" in _details(error):
+            return None
+        raise
+
+
+class _LeaseGone(Exception):
+    """The lease to revoke was not there (it expired meanwhile)."""
+
+
+def _revoke_unless_gone(lease_id: int, channel: Any, metadata: Any, timeout: float) -> Any:
+    """A LeaseRevoke; ``_LeaseGone`` when etcd has no lease of that ID."""
+    request = etcdrpc.LeaseRevokeRequest(ID=lease_id)
+    try:
+        return _unary(etcdrpc.LeaseStub, "LeaseRevoke", request, channel, metadata, timeout)
+    except grpc.RpcError as error:
+        if _code(error) == grpc.StatusCode.NOT_FOUND:
+            raise _LeaseGone() from None
+        raise
+
+
 def _code(error: Any) -> Any:
     code = getattr(error, "code", None)
     return code() if callable(code) else grpc.StatusCode.UNKNOWN
@@ -747,8 +774,8 @@ class EtcdStore:
             kv = kvs[0] if kvs else None
 
     def delete_prefix(self, prefix: str) -> int:
-        """One DeleteRange over the prefix; liveness keys go too (their leases stay until
-        revoked or expired, holding nothing)."""
+        """One DeleteRange over the prefix. Liveness is not under it: it is kept in leases,
+        which ``close`` revokes (or which expire)."""
         start = prefix.encode()
         reply = self._connection.call(
             etcdrpc.KVStub,
@@ -831,28 +858,45 @@ class EtcdStore:
         return max(1, math.ceil(seconds))
 
     def keep_alive(self, key: str, ttl: float) -> None:
+        """Grant ``key``'s lease (one request), then renew it. Its ID is derived from the
+        key, so that any node can ask etcd about it (``alive``) knowing only the key, and
+        no key needs attaching to it: a heartbeat costs one request, not a grant and a put."""
         name = key.encode()
+        lease_id = _lease_id(name)
         seconds = self.lease_seconds(ttl)
         held = self._leases.get(name)
         if held is not None and held[1] == seconds:
             reply = self._connection.call(
-                etcdrpc.LeaseStub, "LeaseKeepAlive", etcdrpc.LeaseKeepAliveRequest(ID=held[0])
+                etcdrpc.LeaseStub, "LeaseKeepAlive", etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
             )
             if reply is not None and reply.TTL > 0:
                 return
-            # The lease expired (etcd was out of reach for longer than it): a new one.
-        grant = self._connection.call(
-            etcdrpc.LeaseStub, "LeaseGrant", etcdrpc.LeaseGrantRequest(TTL=seconds)
-        )
-        self._leases[name] = (grant.ID, seconds)
-        self._connection.call(
-            etcdrpc.KVStub, "Put", etcdrpc.PutRequest(key=name, value=_ALIVE, lease=grant.ID)
-        )
-        if held is not None:
-            self._revoke(held[0])
+            # The lease expired (etcd was out of reach for longer than it): grant it again.
+        if not self._grant(lease_id, seconds):
+            # It exists already: a lease of another length (ttl changed), one that expired
+            # and etcd has not revoked yet, or the one this node's previous agent held (it
+            # was restarted under the same node id). This node owns it: start it anew.
+            with contextlib.suppress(_LeaseGone):
+                self._connection.run(functools.partial(_revoke_unless_gone, lease_id))
+            if not self._grant(lease_id, seconds):
+                raise StoreError(
+                    f"etcd at {self._connection.endpoint()} kept lease {lease_id:x} of "
+                    f"{key!r} after revoking it; is another agent running as this node?"
+                )
+        self._leases[name] = (lease_id, seconds)
+
+    def _grant(self, lease_id: int, seconds: int) -> bool:
+        """Grant lease ``lease_id``; False if it exists already."""
+        request = etcdrpc.LeaseGrantRequest(ID=lease_id, TTL=seconds)
+        reply = self._connection.run(functools.partial(_unless_exists, request))
+        return reply is not None
 
     def alive(self, key: str, ttl: float) -> bool:
-        return bool(self._range(key.encode(), count_only=True).count)
+        """Whether ``key``'s lease exists: etcd deletes it when it expires or is revoked
+        (it answers TTL -1 for a lease it does not have)."""
+        request = etcdrpc.LeaseTimeToLiveRequest(ID=_lease_id(key.encode()))
+        reply = self._connection.call(etcdrpc.LeaseStub, "LeaseTimeToLive", request)
+        return int(reply.TTL) >= 0
 
     def _revoke(self, lease_id: int) -> None:
         with contextlib.suppress(StoreError):  # else it expires by itself
@@ -901,6 +945,14 @@ def _put(key: bytes, value: bytes) -> Any:
 
 def _get(key: bytes, *, keys_only: bool = False) -> Any:
     return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key, keys_only=keys_only))
+
+
+def _lease_id(key: bytes) -> int:
+    """The ID of the lease that keeps ``key``'s owner alive: 63 bits of a hash of the key
+    (etcd lets a client choose a lease's ID; it must be positive). Keys hold the run id and
+    the node id, so two nodes, or two jobs on one etcd, never share a lease."""
+    digest = hashlib.blake2b(key, digest_size=8, person=b"rallypoint-hb").digest()
+    return (int.from_bytes(digest, "big") >> 1) or 1
 
 
 def _prefix_end(prefix: bytes) -> bytes:

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 from etcd_servers import PASSWORD, USER, Restartable
+from pyetcd import etcdrpc
 
 from rallypoint.rendezvous.protocol import RetryingStore
 from rallypoint.rendezvous.store import StoreError, StoreUnavailable
 from rallypoint.testing.store_conformance import Connect, StoreConformance
-from rallypoint_etcd.store import EtcdConfig, EtcdStore, parse_endpoints
+from rallypoint_etcd.store import EtcdConfig, EtcdStore, _lease_id, parse_endpoints
 from servers import EtcdServer
 
 
@@ -26,6 +27,8 @@ def store_config(server: EtcdServer, **fields: object) -> EtcdConfig:
 
 
 class TestEtcdStore(StoreConformance):
+    liveness_is_a_key = False  # a lease, revoked by close
+
     @pytest.fixture
     def connect(self, etcd_server_session: EtcdServer) -> Connect:
         config = store_config(etcd_server_session)
@@ -103,6 +106,72 @@ def test_a_closed_store_leaves_at_once(
     assert store.alive(prefix + "hb/left", 30)
     leaving.close()  # revokes its lease: no need to wait 30 s
     assert not store.alive(prefix + "hb/left", 30)
+
+
+def test_a_wait_that_shares_a_watch_sees_puts_and_deletes(
+    etcd_server_session: EtcdServer, prefix: str
+) -> None:
+    # Stores of one process share a connection and waits on the same key share its
+    # watch: what the watch saw before a delete must not answer a wait after it.
+    config = store_config(etcd_server_session)
+    holder, waiter, writer = EtcdStore(config), EtcdStore(config), EtcdStore(config)
+    key = prefix + "round/closed"
+    timers: list[threading.Timer] = []
+    try:
+        assert not holder.wait([key], 0.2)  # its watch of the key is kept
+        timers.append(threading.Timer(0.3, writer.set, args=(key, b"first")))
+        timers[-1].start()
+        assert waiter.wait_value(key, 10) == b"first"
+        writer.delete_prefix(prefix)
+        assert not waiter.wait([key], 0.5), "a deleted key counted as present"
+        assert waiter.wait_value(key, 0.2) is None
+        timers.append(threading.Timer(0.3, writer.set, args=(key, b"second")))
+        timers[-1].start()
+        assert waiter.wait_value(key, 10) == b"second"
+        assert holder.wait([key], 0.2)  # the kept watch saw the second put
+    finally:
+        for timer in timers:
+            timer.join(10)
+        for client in (holder, waiter, writer):
+            client.close()
+
+
+def _lease(store: EtcdStore, key: str) -> tuple[int, int, list[bytes]]:
+    """The lease that keeps ``key`` alive: its TTL left, its granted TTL, its keys."""
+    request = etcdrpc.LeaseTimeToLiveRequest(ID=_lease_id(key.encode()), keys=True)
+    reply = store._connection.call(etcdrpc.LeaseStub, "LeaseTimeToLive", request)
+    return int(reply.TTL), int(reply.grantedTTL), list(reply.keys)
+
+
+def test_liveness_is_a_lease_named_by_the_key(store: EtcdStore, prefix: str) -> None:
+    key = prefix + "hb/a"
+    assert not store.alive(key, 30)  # no lease yet: etcd answers TTL -1
+    store.keep_alive(key, 30)
+    assert store.alive(key, 30)
+    left, granted, keys = _lease(store, key)
+    assert granted == 30 and 0 < left <= 30 and keys == []  # no key attached
+    assert store.get(key) is None  # nothing in the key space
+    assert not store.alive(prefix + "hb/b", 30)  # another key, another lease
+
+
+def test_a_restarted_agent_takes_over_its_lease(
+    etcd_server_session: EtcdServer, prefix: str
+) -> None:
+    config = store_config(etcd_server_session)
+    died, restarted, observer = EtcdStore(config), EtcdStore(config), EtcdStore(config)
+    key = prefix + "hb/a"
+    try:
+        died.keep_alive(key, 30)  # an agent killed without closing: its lease stays
+        restarted.keep_alive(key, 5)  # its successor, the same node, another TTL
+        assert observer.alive(key, 5)
+        assert _lease(observer, key)[1] == 5  # granted anew, with the successor's TTL
+        restarted.keep_alive(key, 5)  # renewed from here on
+        assert observer.alive(key, 5)
+        restarted.close()
+        assert not observer.alive(key, 5)
+    finally:
+        for client in (died, restarted, observer):
+            client.close()
 
 
 def test_lease_ttl_caps_the_heartbeat_ttl(etcd_server_session: EtcdServer) -> None:
