@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -113,26 +114,35 @@ def test_a_wait_that_shares_a_watch_sees_puts_and_deletes(
 ) -> None:
     # Stores of one process share a connection and waits on the same key share its
     # watch: what the watch saw before a delete must not answer a wait after it.
-    config = store_config(etcd_server_session)
-    holder, waiter, writer = EtcdStore(config), EtcdStore(config), EtcdStore(config)
     key = prefix + "round/closed"
     timers: list[threading.Timer] = []
+    with _clients(etcd_server_session, 3) as (holder, waiter, writer):
+        try:
+            assert not holder.wait([key], 0.2)  # its watch of the key is kept
+            timers.append(threading.Timer(0.3, writer.set, args=(key, b"first")))
+            timers[-1].start()
+            assert waiter.wait_value(key, 10) == b"first"
+            writer.delete_prefix(prefix)
+            assert not waiter.wait([key], 0.5), "a deleted key counted as present"
+            assert waiter.wait_value(key, 0.2) is None
+            timers.append(threading.Timer(0.3, writer.set, args=(key, b"second")))
+            timers[-1].start()
+            assert waiter.wait_value(key, 10) == b"second"
+            assert holder.wait([key], 0.2)  # the kept watch saw the second put
+        finally:
+            for timer in timers:
+                timer.join(10)
+
+
+@contextlib.contextmanager
+def _clients(server: EtcdServer, count: int) -> Iterator[list[EtcdStore]]:
+    """``count`` stores of this process (they share its connection), closed after."""
+    config = store_config(server)
+    clients = [EtcdStore(config) for _ in range(count)]
     try:
-        assert not holder.wait([key], 0.2)  # its watch of the key is kept
-        timers.append(threading.Timer(0.3, writer.set, args=(key, b"first")))
-        timers[-1].start()
-        assert waiter.wait_value(key, 10) == b"first"
-        writer.delete_prefix(prefix)
-        assert not waiter.wait([key], 0.5), "a deleted key counted as present"
-        assert waiter.wait_value(key, 0.2) is None
-        timers.append(threading.Timer(0.3, writer.set, args=(key, b"second")))
-        timers[-1].start()
-        assert waiter.wait_value(key, 10) == b"second"
-        assert holder.wait([key], 0.2)  # the kept watch saw the second put
+        yield clients
     finally:
-        for timer in timers:
-            timer.join(10)
-        for client in (holder, waiter, writer):
+        for client in clients:
             client.close()
 
 
@@ -157,10 +167,8 @@ def test_liveness_is_a_lease_named_by_the_key(store: EtcdStore, prefix: str) -> 
 def test_a_restarted_agent_takes_over_its_lease(
     etcd_server_session: EtcdServer, prefix: str
 ) -> None:
-    config = store_config(etcd_server_session)
-    died, restarted, observer = EtcdStore(config), EtcdStore(config), EtcdStore(config)
     key = prefix + "hb/a"
-    try:
+    with _clients(etcd_server_session, 3) as (died, restarted, observer):
         died.keep_alive(key, 30)  # an agent killed without closing: its lease stays
         restarted.keep_alive(key, 5)  # its successor, the same node, another TTL
         assert observer.alive(key, 5)
@@ -169,9 +177,6 @@ def test_a_restarted_agent_takes_over_its_lease(
         assert observer.alive(key, 5)
         restarted.close()
         assert not observer.alive(key, 5)
-    finally:
-        for client in (died, restarted, observer):
-            client.close()
 
 
 def test_lease_ttl_caps_the_heartbeat_ttl(etcd_server_session: EtcdServer) -> None:
