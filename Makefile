@@ -84,6 +84,7 @@ bench: install
 	$(PY) benchmarks/bench_launcher.py
 	$(PY) benchmarks/bench_rendezvous.py
 	$(PY) benchmarks/bench_recovery.py
+	$(PY) benchmarks/bench_recovery.py --kill preempt
 	$(PY) benchmarks/bench_checkpoint.py
 	$(PY) benchmarks/bench_metrics.py
 

@@ -1,6 +1,7 @@
 """rallypoint against torchrun on one node, side by side in one run.
 
     .venv/bin/python benchmarks/bench_launcher.py [--repeat 10] [--recovery-repeat 20]
+    .venv/bin/python benchmarks/bench_launcher.py --render-only
 
 Measures, for both launchers, alternating runs so that machine noise hits both alike:
 
@@ -293,6 +294,8 @@ MORE_BENCHMARKS = [
     "  beside torch's c10d rendezvous.",
     "- [Node-kill recovery](benchmarks-recovery.md) (`benchmarks/bench_recovery.py`): from",
     "  the SIGKILL of one of two nodes to the survivors training again, beside torchrun.",
+    "- [Preemption recovery](benchmarks-recovery-preempt.md) (`benchmarks/bench_recovery.py",
+    "  --kill preempt`): the same from a SIGTERM to one node's agent, as a preemption sends.",
     "- [Checkpoint saves](benchmarks-checkpoint.md) (`benchmarks/bench_checkpoint.py`):",
     "  how long a save stops the training loop, `torch.save` against the asynchronous mode.",
     "- [Worker metrics](benchmarks-metrics.md) (`benchmarks/bench_metrics.py`): what",
@@ -313,7 +316,15 @@ def main() -> None:
     parser.add_argument(
         "--timeout", type=float, default=60.0, help="seconds before a run is killed"
     )
+    common.add_render_only(parser, RESULTS)
     args = parser.parse_args()
+    if args.render_only:
+        saved: dict[str, object] = json.loads(RESULTS.read_text())
+        # Results written before the command was kept were measured by plain `make bench`.
+        command = str(saved.get("command", "make bench  # = python benchmarks/bench_launcher.py"))
+        REPORT.write_text(render(saved, command) + "\n")
+        common.wrote(REPORT)
+        return
     import torch
 
     results = measure(args.repeat, args.recovery_repeat, args.timeout)
@@ -324,10 +335,11 @@ def main() -> None:
         timeout=args.timeout,
     )
     results["charts"] = charts(results["summary"])  # type: ignore[arg-type]
-    common.write_results(RESULTS, results)
     command = "make bench  # = " + " ".join(
         ["python", "benchmarks/bench_launcher.py", *sys.argv[1:]]
     )
+    results["command"] = command
+    common.write_results(RESULTS, results)
     REPORT.write_text(render(results, command) + "\n")
     print(json.dumps(results["summary"], indent=2))
     common.wrote(RESULTS, REPORT)

@@ -1,14 +1,17 @@
-"""Recovery after a node is killed: rallypoint against torchrun, side by side in one run.
+"""Recovery after a node is killed or preempted: rallypoint against torchrun, side by side.
 
-    .venv/bin/python benchmarks/bench_recovery.py [--repeat 3] [--cap 120]
-    .venv/bin/python benchmarks/bench_recovery.py --render-only
+    .venv/bin/python benchmarks/bench_recovery.py [--repeat 3] [--cap 120] [--kill agent]
+    .venv/bin/python benchmarks/bench_recovery.py --kill preempt
+    .venv/bin/python benchmarks/bench_recovery.py [--kill preempt] --render-only
 
 Two agents on this machine form one c10d job over loopback (``--nnodes 1:2
 --nproc-per-node 2 --max-restarts 3``), running ``tests/workers/steps.py`` (gloo, an
 all-reduce every 0.2 s, each step printed with its world size and a wall-clock time). The
 first agent hosts the store; once its workers train with ``world=4`` the second agent's
-process is SIGKILLed, and the time runs from the kill to the first step the surviving
-agent's workers complete with ``world=2``. A run that gets there within ``--cap`` seconds
+process is SIGKILLed (``--kill agent``; ``--kill node`` kills its workers with it), or
+sent SIGTERM (``--kill preempt``: a spot instance or a scheduler preempting the node), and
+the time runs from the signal to the first step the surviving agent's workers complete
+with ``world=2``. A run that gets there within ``--cap`` seconds
 recovered; one that does not is recorded as "did not recover". Runs alternate between the
 launchers (A B, then B A), so machine noise hits both alike.
 
@@ -17,7 +20,9 @@ After each run the benchmark records whether a worker of the killed node was sti
 tag, and checks that none is left.
 
 Results go to ``benchmarks/results/recovery.json`` and ``docs/benchmarks-recovery.md``
-with a chart in ``docs/img/bench_node_kill_recovery.png``.
+with a chart in ``docs/img/bench_node_kill_recovery.png``; the preemption's to
+``recovery-preempt.json``, ``benchmarks-recovery-preempt.md`` and
+``bench_preempt_recovery.png``.
 """
 
 from __future__ import annotations
@@ -47,9 +52,36 @@ from common import IMAGES, ROOT
 
 BIN = Path(sys.executable).parent
 WORKER = ROOT / "tests" / "workers" / "steps.py"
-RESULTS = ROOT / "benchmarks" / "results" / "recovery.json"
-REPORT = ROOT / "docs" / "benchmarks-recovery.md"
-CHART = IMAGES / "bench_node_kill_recovery.png"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Where one kind of failure's results go, and how its page names the failure."""
+
+    results: Path
+    report: Path
+    chart: Path
+    title: str  # "a node is killed"
+    signal: str  # what happens to the second node, as the page's sentences say it
+
+
+KILLED = Scenario(
+    ROOT / "benchmarks" / "results" / "recovery.json",
+    ROOT / "docs" / "benchmarks-recovery.md",
+    IMAGES / "bench_node_kill_recovery.png",
+    "a node is killed",
+    "SIGKILL",
+)
+PREEMPTED = Scenario(
+    ROOT / "benchmarks" / "results" / "recovery-preempt.json",
+    ROOT / "docs" / "benchmarks-recovery-preempt.md",
+    IMAGES / "bench_preempt_recovery.png",
+    "a node is preempted",
+    "SIGTERM",
+)
+SCENARIOS = {"agent": KILLED, "node": KILLED, "preempt": PREEMPTED}
+#: Seconds a preempted agent has to stop its workers and leave before it is SIGKILLed.
+LEAVE_WAIT = 30.0
 HOST = "127.0.0.1"
 LAUNCHERS = ("rallypoint", "torchrun")
 COMMANDS = {
@@ -96,6 +128,7 @@ class Sample:
     load_at_kill: float | None = None  # 1-minute load average of the machine
     error: str | None = None
     survivor_log_tail: str = ""  # kept when the run did not recover
+    victim_returncode: int | None = None  # how the signalled agent exited
 
 
 # --- the harness --------------------------------------------------------------------------
@@ -235,7 +268,8 @@ def worker_seconds(cap: float, start_cap: float) -> int:
 def measure_once(
     launcher: str, cap: float, start_cap: float, orphan_grace: float, env: dict[str, str], kill: str
 ) -> Sample:
-    """One run: two agents, world=4, SIGKILL the second, wait for world=2 (at most ``cap``)."""
+    """One run: two agents, world=4, SIGKILL (or, ``preempt``, SIGTERM) the second, wait
+    for world=2 (at most ``cap``)."""
     port = free_port()
     unique = uuid.uuid4().hex[:10]
     run_id = f"bench-recovery-{unique}"
@@ -290,11 +324,19 @@ def measure_once(
         victim_workers = tagged(victim_tag, {victim.pid}) if kill == "node" else []
         sample.load_at_kill = os.getloadavg()[0]
         killed_at = time.time()
-        victim.kill()
+        if kill == "preempt":  # the agent alone: it is to stop its workers and leave
+            victim.send_signal(signal.SIGTERM)
+        else:
+            victim.kill()
         for pid in victim_workers:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        victim.wait(timeout=30)
+        try:
+            sample.victim_returncode = victim.wait(timeout=LEAVE_WAIT)
+        except subprocess.TimeoutExpired:
+            sample.error = f"the preempted agent was still running {LEAVE_WAIT:.0f} s later"
+            victim.kill()
+            victim.wait(timeout=CLEANUP_WAIT)
         resumed: list[float] = []
         old_world: list[float] = []
 
@@ -404,6 +446,7 @@ def ratio(summary: dict[str, dict[str, Any]], cap: float) -> dict[str, Any]:
 
 
 def chart(results: dict[str, Any]) -> str:
+    scenario = SCENARIOS[results["kill"]]
     plt = common.pyplot()
     cap = float(results["cap_seconds"])
     colors = {"rallypoint": "#2b7bba", "torchrun": "#999999"}
@@ -440,10 +483,12 @@ def chart(results: dict[str, Any]) -> str:
     axis.invert_yaxis()
     axis.margins(x=0.1, y=0.3)
     axis.set_xlim(left=0)
-    axis.set_xlabel("seconds from SIGKILL of one node to the survivors training again")
-    axis.set_title("Recovery after a node is killed (bars: median; dots: runs)")
+    axis.set_xlabel(
+        f"seconds from the {scenario.signal} of one node to the survivors training again"
+    )
+    axis.set_title(f"Recovery after {scenario.title} (bars: median; dots: runs)")
     axis.grid(True, axis="x", alpha=0.3)
-    return common.save_chart(figure, CHART)
+    return common.save_chart(figure, scenario.chart)
 
 
 def findings(results: dict[str, Any]) -> list[str]:
@@ -465,6 +510,40 @@ def findings(results: dict[str, Any]) -> list[str]:
             "`world=2`.",
             "",
         ]
+    exits = [s for s in results["samples"]["torchrun"] if s["survivor_returncode"] is not None]
+    if results["kill"] == "preempt":
+        codes_of = {
+            name: sorted({s.get("victim_returncode") for s in results["samples"][name]}, key=str)
+            for name in LAUNCHERS
+        }
+        if codes_of["rallypoint"] != codes_of["torchrun"]:
+            lines += [
+                "The preempted agent exited with "
+                + " and ".join(
+                    f"{', '.join(map(str, codes_of[name]))} ({name})" for name in LAUNCHERS
+                )
+                + ": 143 is 128 + 15, the shell's convention for a process stopped by",
+                "SIGTERM, so that a script or a scheduler's record tells a stopped node from a",
+                "failed job.",
+                "",
+            ]
+    if results["kill"] == "preempt" and exits:
+        closed = sum("closed" in s["survivor_log_tail"].lower() for s in exits)
+        codes = sorted({s["survivor_returncode"] for s in exits})
+        lines += [
+            f"In {len(exits)} of {torch['runs']} torchrun runs the surviving agent exited (exit",
+            f"code {', '.join(map(str, codes))}) instead of re-forming the job at `world=2`"
+            + (
+                f"; in {closed} its log says the rendezvous was closed: torch's agent, stopped "
+                "by SIGTERM, shuts its rendezvous handler down, which closes the rendezvous "
+                "for every node of the job (`DynamicRendezvousHandler.shutdown`)."
+                if closed
+                else "."
+            ),
+            "rallypoint's agent, stopped by SIGTERM, stops its workers and leaves the",
+            "rendezvous (its liveness ends at once); the survivors re-form without it.",
+            "",
+        ]
     if torch["recovered"] == 0 and torch["did_not_recover"] and summary["rallypoint"]["recovered"]:
         lines += [
             f"torchrun did not recover in any run within {cap:.0f} s, so the ratio is an",
@@ -478,7 +557,15 @@ def findings(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def lingered(results: dict[str, Any]) -> int:
+    """Runs whose signalled agent had not exited after LEAVE_WAIT seconds."""
+    return sum(
+        "still running" in (s["error"] or "") for n in LAUNCHERS for s in results["samples"][n]
+    )
+
+
 def render(results: dict[str, Any]) -> str:
+    scenario = SCENARIOS[results["kill"]]
     summary = results["summary"]
     cap = float(results["cap_seconds"])
 
@@ -503,6 +590,9 @@ def render(results: dict[str, Any]) -> str:
             f"{s['recovery_seconds']:.2f}" if s["recovery_seconds"] is not None else s["status"]
             for s in results["samples"][name]
         )
+
+    def exits(name: str) -> str:
+        return ", ".join(str(s.get("victim_returncode")) for s in results["samples"][name])
 
     def loads(name: str) -> str:
         return ", ".join(
@@ -544,6 +634,11 @@ def render(results: dict[str, Any]) -> str:
             "",
         ),
         ("Every run, seconds", runs("rallypoint"), runs("torchrun"), ""),
+        *(
+            [("Exit code of the preempted agent", exits("rallypoint"), exits("torchrun"), "")]
+            if results["kill"] == "preempt"
+            else []
+        ),
         ("1-minute load average at each kill", loads("rallypoint"), loads("torchrun"), ""),
     ]
     if results["env"]["torchrun"]:
@@ -567,7 +662,7 @@ def render(results: dict[str, Any]) -> str:
         s["status"] != "failed to start" for name in LAUNCHERS for s in results["samples"][name]
     ]
     lines = [
-        "# Recovery benchmark: a node is killed",
+        f"# Recovery benchmark: {scenario.title}",
         "",
         "Generated by `benchmarks/bench_recovery.py`; do not edit by hand.",
         "rallypoint and torchrun run alternately in one session on the same machine, so both",
@@ -578,8 +673,8 @@ def render(results: dict[str, Any]) -> str:
         f"- Command: `{results['command']}`",
         f"- Load average before / after: {results['load_before']} / {results['load_after']}",
         "",
-        f"Time from the SIGKILL of one of two nodes to the survivors' first training step in the "
-        f"smaller world; {results['repeat']} runs per launcher.",
+        f"Time from the {scenario.signal} of one of two nodes to the survivors' first training "
+        f"step in the smaller world; {results['repeat']} runs per launcher.",
         "",
         "| measurement | rallypoint | torchrun | ratio |",
         "|---|---|---|---|",
@@ -593,7 +688,7 @@ def render(results: dict[str, Any]) -> str:
         ]
     lines += [
         "",
-        f"![Recovery after a node is killed]({results['chart']})",
+        f"![Recovery after {scenario.title}]({results['chart']})",
         "",
         *findings(results),
         "Two agents of one job run on this machine over loopback, each starting two gloo",
@@ -601,22 +696,29 @@ def render(results: dict[str, Any]) -> str:
         "the world size and the wall-clock time it completed). The first agent is started and",
         "hosts the c10d store (the benchmark waits until its port accepts connections), then",
         "the second. Once the first agent's workers print a step with `world=4`, the second",
-        *(
-            [
+        *{
+            "agent": [
                 "agent's process gets SIGKILL (`--kill agent`): the agent only, not its workers,",
                 "as when the agent is OOM-killed or crashes. The",
-            ]
-            if results["kill"] == "agent"
-            else [
+            ],
+            "node": [
                 "agent's process and its workers get SIGKILL at the same instant (`--kill",
                 "node`), as when the machine is lost. The",
-            ]
-        ),
-        "recovery time runs from the kill to the first step that a worker of the surviving",
-        "agent completes with `world=2`: the failure has been noticed, the old workers",
-        "stopped, a new rendezvous round formed without the dead node, new workers started,",
-        "their process group formed and one all-reduce done. Both times come from the same",
-        "wall clock (the benchmark's `time.time()` at the kill, the worker's at the step).",
+            ],
+            "preempt": [
+                "agent's process gets SIGTERM (`--kill preempt`), as when a spot instance or a",
+                "scheduler preempts the node: the agent is to stop its workers and leave (it is",
+                f"SIGKILLed if it still runs {LEAVE_WAIT:.0f} s later: "
+                + (f"{late} did" if (late := lingered(results)) else "none did")
+                + "). The",
+            ],
+        }[results["kill"]],
+        f"recovery time runs from the {scenario.signal} to the first step that a worker of the",
+        "surviving agent completes with `world=2`: the failure has been noticed, the old",
+        "workers stopped, a new rendezvous round formed without the lost node, new workers",
+        "started, their process group formed and one all-reduce done. Both times come from",
+        "the same wall clock (the benchmark's `time.time()` at the signal, the worker's at",
+        "the step).",
         "",
         f'A run that does not get there within {cap:.0f} s (`--cap`) counts as "did not',
         'recover" and takes no part in the median; torchrun is known to hang in some such',
@@ -668,15 +770,23 @@ def render(results: dict[str, Any]) -> str:
         "same time; four gloo workers, two agents and that work share the cores, so expect",
         "noise of a second or more per run. The repeat count is kept small for the same",
         "reason. Every sample, with its exact commands, is in",
-        "`benchmarks/results/recovery.json`.",
+        f"`{scenario.results.relative_to(ROOT)}`.",
         "",
         "## Rerun",
         "",
         "```",
         ".venv/bin/python benchmarks/bench_recovery.py              # 3 runs per launcher, cap 120 s",
         ".venv/bin/python benchmarks/bench_recovery.py --repeat 5 --cap 90",
+        ".venv/bin/python benchmarks/bench_recovery.py --kill preempt  # SIGTERM: its own page",
         ".venv/bin/python benchmarks/bench_recovery.py --render-only  # page and chart from the JSON",
         "```",
+        "",
+        "The other kind of failure is on "
+        + (
+            "[its own page](benchmarks-recovery-preempt.md): one node preempted (SIGTERM)."
+            if scenario is KILLED
+            else "[the node-kill page](benchmarks-recovery.md): one node killed (SIGKILL)."
+        ),
         "",
     ]
     return "\n".join(lines)
@@ -706,10 +816,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--kill",
-        choices=("agent", "node"),
+        choices=tuple(SCENARIOS),
         default="agent",
         help="SIGKILL the second agent's process only (default), or it and its workers at "
-        "once, as when the machine is lost",
+        "once, as when the machine is lost (node), or send its agent SIGTERM, as a "
+        "preemption does (preempt: results and page of their own)",
     )
     parser.add_argument(
         "--torchrun-shared-store",
@@ -717,13 +828,14 @@ def main() -> None:
         help="run torchrun without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (it then does not "
         "scale up from one node to two on torch 2.13)",
     )
-    common.add_render_only(parser, RESULTS)
+    common.add_render_only(parser, KILLED.results)
     args = parser.parse_args()
+    scenario = SCENARIOS[args.kill]
     if args.render_only:
-        saved: dict[str, Any] = json.loads(RESULTS.read_text())
+        saved: dict[str, Any] = json.loads(scenario.results.read_text())
         saved["chart"] = chart(saved)
-        REPORT.write_text(render(saved) + "\n")
-        common.wrote(REPORT, CHART)
+        scenario.report.write_text(render(saved) + "\n")
+        common.wrote(scenario.report, scenario.chart)
         return
     if shutil.which("pgrep") is None:
         parser.error("pgrep is needed to find orphan workers (install procps)")
@@ -775,10 +887,10 @@ def main() -> None:
         "samples": {name: [asdict(s) for s in samples[name]] for name in LAUNCHERS},
     }
     results["chart"] = chart(results)
-    common.write_results(RESULTS, results)
-    REPORT.write_text(render(results) + "\n")
+    common.write_results(scenario.results, results)
+    scenario.report.write_text(render(results) + "\n")
     print(json.dumps({"summary": summary, "ratio": results["ratio"]}, indent=2))
-    common.wrote(RESULTS, REPORT, CHART)
+    common.wrote(scenario.results, scenario.report, scenario.chart)
 
 
 if __name__ == "__main__":
