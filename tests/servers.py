@@ -121,6 +121,18 @@ def free_port() -> int:
         return port
 
 
+def free_ports(count: int) -> list[int]:
+    """``count`` different ports, each free a moment ago: once its probe socket is closed,
+    ``free_port`` may hand the same port out again at once (an etcd given one port for
+    its client and its peer URLs fails to start)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
 def find_binary(name: str) -> str | None:
     """Return the path of executable ``name``, or None if it isn't installed.
 
@@ -486,9 +498,8 @@ def start_etcd(
 
     def attempt() -> EtcdServer:
         data_dir = _fresh_dir(tmp_dir, "etcd-")
-        server = spawn_etcd(
-            data_dir, client_port=free_port(), peer_port=free_port(), extra_args=extra_args
-        )
+        client, peer = free_ports(2)
+        server = spawn_etcd(data_dir, client_port=client, peer_port=peer, extra_args=extra_args)
         wait_etcd_ready(server, timeout)
         return server
 

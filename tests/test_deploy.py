@@ -47,7 +47,7 @@ from launch import RALLYPOINT, clean_environment, rallypoint, worker
 from rallypoint.config import SLURM_RDZV_PORT, LaunchConfig, apply_slurm, expand_hostlist
 from rallypoint.errors import UsageError
 from rallypoint.plugins import build_plugin_manager
-from servers import EtcdServer, find_binary, free_port
+from servers import EtcdServer, find_binary, free_port, free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 KUBERNETES = ROOT / "deploy" / "kubernetes"
@@ -728,8 +728,9 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
         (directory / sub).mkdir()
     host = socket.gethostname().split(".")[0]
     conf = directory / "slurm.conf"
+    ctld_port, slurmd_port = free_ports(2)
     conf.write_text(
-        _SLURM_CONF.format(host=host, ctld_port=free_port(), slurmd_port=free_port(), dir=directory)
+        _SLURM_CONF.format(host=host, ctld_port=ctld_port, slurmd_port=slurmd_port, dir=directory)
     )
     env = {k: v for k, v in clean_environment().items() if not k.startswith("SLURM_")}
     env["SLURM_CONF"] = str(conf)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from servers import EtcdServer, free_port, require_binary, spawn_etcd, wait_etcd_ready
+from servers import EtcdServer, free_ports, require_binary, spawn_etcd, wait_etcd_ready
 
 
 @dataclass
@@ -48,7 +48,8 @@ class Restartable:
 
 @pytest.fixture
 def restartable_etcd(tmp_path: Path) -> Iterator[Restartable]:
-    server = spawn_etcd(tmp_path / "etcd", client_port=free_port(), peer_port=free_port())
+    client, peer = free_ports(2)
+    server = spawn_etcd(tmp_path / "etcd", client_port=client, peer_port=peer)
     wait_etcd_ready(server)
     etcd = Restartable(tmp_path / "etcd", server)
     yield etcd
@@ -59,8 +60,9 @@ def restartable_etcd(tmp_path: Path) -> Iterator[Restartable]:
 def etcd_cluster(tmp_path: Path) -> Iterator[list[EtcdServer]]:
     """Three members on loopback, healthy (a leader elected) when the test starts."""
     names = ["m0", "m1", "m2"]
-    clients = {name: free_port() for name in names}
-    peers = {name: free_port() for name in names}
+    ports = free_ports(2 * len(names))
+    clients = dict(zip(names, ports[: len(names)], strict=True))
+    peers = dict(zip(names, ports[len(names) :], strict=True))
     cluster = ",".join(f"{n}=http://127.0.0.1:{peers[n]}" for n in names)
     members = [
         spawn_etcd(
@@ -136,11 +138,11 @@ class TlsEtcd:
 
 @pytest.fixture
 def tls_etcd(tmp_path: Path, certificates: Certificates) -> Iterator[TlsEtcd]:
-    secure = free_port()
+    secure, client, peer = free_ports(3)
     server = spawn_etcd(
         tmp_path / "etcd-tls",
-        client_port=free_port(),
-        peer_port=free_port(),
+        client_port=client,
+        peer_port=peer,
         extra_urls=[f"https://127.0.0.1:{secure}"],
         extra_args=[
             "--cert-file", str(certificates.server_cert),
