@@ -63,6 +63,7 @@ class Scenario:
     chart: Path
     title: str  # "a node is killed"
     signal: str  # what happens to the second node, as the page's sentences say it
+    lost: str  # the second node, as the page's table calls it
 
 
 KILLED = Scenario(
@@ -71,6 +72,7 @@ KILLED = Scenario(
     IMAGES / "bench_node_kill_recovery.png",
     "a node is killed",
     "SIGKILL",
+    "killed node",
 )
 PREEMPTED = Scenario(
     ROOT / "benchmarks" / "results" / "recovery-preempt.json",
@@ -78,6 +80,7 @@ PREEMPTED = Scenario(
     IMAGES / "bench_preempt_recovery.png",
     "a node is preempted",
     "SIGTERM",
+    "preempted node",
 )
 SCENARIOS = {"agent": KILLED, "node": KILLED, "preempt": PREEMPTED}
 #: Seconds a preempted agent has to stop its workers and leave before it is SIGKILLed.
@@ -617,14 +620,14 @@ def render(results: dict[str, Any]) -> str:
             "",
         ),
         (
-            "Runs leaving a worker of the killed node running",
+            f"Runs leaving a worker of the {scenario.lost} running",
             f"{summary['rallypoint']['runs_with_orphans']} of {summary['rallypoint']['runs']}",
             f"{summary['torchrun']['runs_with_orphans']} of {summary['torchrun']['runs']}",
             "",
         ),
         (
             "Runs where the survivors trained on at `world=4` (with the orphans) > 1 s "
-            "after the kill; latest such step",
+            f"after the {scenario.signal}; latest such step",
             f"{summary['rallypoint']['runs_still_at_world4_after_kill']} of "
             f"{summary['rallypoint']['runs']}; "
             f"{seconds(summary['rallypoint']['max_world4_seconds_after_kill'])}",
