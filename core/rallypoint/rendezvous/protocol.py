@@ -259,7 +259,7 @@ class StoreRendezvous:
         """The job's round (one read): 0 while the state key is absent. A new job writes
         nothing here until its first round ends: when a thousand nodes start at once, none
         of them has to create the key (a write, which on etcd goes through Raft)."""
-        return _round_of(self.keys.state(), self.store.get(self.keys.state()))
+        return records.decode_state(self.keys.state(), self.store.get(self.keys.state()))
 
     def _advance(
         self, from_round: int, expected: int, store: CoordinationStore | None = None
@@ -760,7 +760,7 @@ class StoreRendezvous:
     def _report_progress(self, store: CoordinationStore, deadline: float) -> None:
         """While this node waits: who has joined, and the time left."""
         s = self.settings
-        round_ = _round_of(self.keys.state(), store.get(self.keys.state()))
+        round_ = records.decode_state(self.keys.state(), store.get(self.keys.state()))
         joined = store.add(self.keys.of_round(round_, "joined"), 0)
         logger.info(
             "rendezvous round %d: %d of %d:%d nodes joined; %.0f s left before join_timeout",
@@ -774,11 +774,6 @@ class StoreRendezvous:
 
 def _int(value: int) -> bytes:
     return records.encode_int(value)
-
-
-def _round_of(key: str, state: bytes | None) -> int:
-    """The round a job's state record says (0 if there is none: round 0)."""
-    return records.decode_int(key, state) if state is not None else 0
 
 
 def _usable_joiners(

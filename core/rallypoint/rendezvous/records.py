@@ -233,3 +233,9 @@ def decode_int(key: str, raw: bytes) -> int:
         return int(data["value"])
     except (KeyError, TypeError, ValueError) as error:
         raise StoreError(f"rendezvous record {key!r} is malformed: {error!r}") from None
+
+
+def decode_state(key: str, raw: bytes | None) -> int:
+    """The round a job's state record says; 0 where there is none (a job in its first
+    round has written no state)."""
+    return decode_int(key, raw) if raw is not None else 0

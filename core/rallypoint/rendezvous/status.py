@@ -24,7 +24,7 @@ def read_status(
     # A job in its first round has no state key: it is in round 0 if a node joined that.
     if raw_state is None and store.get(keys.of_round(0, "joined")) is None:
         return {"run_id": run_id, "round": None, "members": [], "waiting": 0}
-    round_ = records.decode_int(keys.state(), raw_state) if raw_state is not None else 0
+    round_ = records.decode_state(keys.state(), raw_state)
     closed_key = keys.of_round(round_, "closed")
     raw_closed = store.get(closed_key)
     if raw_closed is None and round_ > 0:

@@ -354,10 +354,10 @@ class StoreConformance:
         assert members == {runs[0]: {"n0", "n2"}, runs[1]: {"n1", "n3"}}
 
     def test_a_late_node_ends_the_round_when_there_is_room(self, connect: Connect) -> None:
-        run_id = uuid.uuid4().hex
         from rallypoint.rendezvous import records
         from rallypoint.rendezvous.protocol import Keys
 
+        run_id = uuid.uuid4().hex
         state = Keys("/rallypoint", run_id).state()
         first = self._node(connect, run_id, "a", 1, 2, last_call_timeout=0.5)
         late = self._node(connect, run_id, "b", 1, 2, last_call_timeout=0.5)
