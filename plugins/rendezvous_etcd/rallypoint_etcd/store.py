@@ -434,28 +434,23 @@ def _unary(
     return getattr(service, method)(request, timeout=timeout, metadata=metadata)
 
 
-def _unless_exists(request: Any, channel: Any, metadata: Any, timeout: float) -> Any:
-    """A LeaseGrant; None when etcd has a lease of that ID already."""
+def _lease_unary(
+    method: str,
+    request: Any,
+    answer: tuple[Any, str],
+    channel: Any,
+    metadata: Any,
+    timeout: float,
+) -> Any:
+    """A call of etcd's Lease service; None when it fails with ``answer`` (a status code and
+    a word of its details), which says what the caller wants to know ("exists", "not
+    found") rather than that the call went wrong."""
     try:
-        return _unary(etcdrpc.LeaseStub, "LeaseGrant", request, channel, metadata, timeout)
+        return _unary(etcdrpc.LeaseStub, method, request, channel, metadata, timeout)
     except grpc.RpcError as error:
-        if _code(error) == grpc.StatusCode.FAILED_PRECONDITION and "exists" in _details(error):
+        code, word = answer
+        if _code(error) == code and word in _details(error):
             return None
-        raise
-
-
-class _LeaseGone(Exception):
-    """The lease to revoke was not there (it expired meanwhile)."""
-
-
-def _revoke_unless_gone(lease_id: int, channel: Any, metadata: Any, timeout: float) -> Any:
-    """A LeaseRevoke; ``_LeaseGone`` when etcd has no lease of that ID."""
-    request = etcdrpc.LeaseRevokeRequest(ID=lease_id)
-    try:
-        return _unary(etcdrpc.LeaseStub, "LeaseRevoke", request, channel, metadata, timeout)
-    except grpc.RpcError as error:
-        if _code(error) == grpc.StatusCode.NOT_FOUND:
-            raise _LeaseGone() from None
         raise
 
 
@@ -875,9 +870,10 @@ class EtcdStore:
         if not self._grant(lease_id, seconds):
             # It exists already: a lease of another length (ttl changed), one that expired
             # and etcd has not revoked yet, or the one this node's previous agent held (it
-            # was restarted under the same node id). This node owns it: start it anew.
-            with contextlib.suppress(_LeaseGone):
-                self._connection.run(functools.partial(_revoke_unless_gone, lease_id))
+            # was restarted under the same node id). This node owns it: start it anew
+            # (it may have expired meanwhile: "not found" is an answer too).
+            revoke = etcdrpc.LeaseRevokeRequest(ID=lease_id)
+            self._lease("LeaseRevoke", revoke, (grpc.StatusCode.NOT_FOUND, "not found"))
             if not self._grant(lease_id, seconds):
                 raise StoreError(
                     f"etcd at {self._connection.endpoint()} kept lease {lease_id:x} of "
@@ -888,8 +884,12 @@ class EtcdStore:
     def _grant(self, lease_id: int, seconds: int) -> bool:
         """Grant lease ``lease_id``; False if it exists already."""
         request = etcdrpc.LeaseGrantRequest(ID=lease_id, TTL=seconds)
-        reply = self._connection.run(functools.partial(_unless_exists, request))
-        return reply is not None
+        exists = (grpc.StatusCode.FAILED_PRECONDITION, "exists")
+        return self._lease("LeaseGrant", request, exists) is not None
+
+    def _lease(self, method: str, request: Any, answer: tuple[Any, str]) -> Any:
+        """``_lease_unary`` on the endpoint in use (errors become ``StoreError``s)."""
+        return self._connection.run(functools.partial(_lease_unary, method, request, answer))
 
     def alive(self, key: str, ttl: float) -> bool:
         """Whether ``key``'s lease exists: etcd deletes it when it expires or is revoked
