@@ -9,6 +9,9 @@ N simulated nodes are spread over P = min(--processes, N) worker processes (node
 process ``i mod P``), one thread per node, each node with its own store client and
 handler. Real nodes are separate machines, each agent its own interpreter: putting a
 thousand nodes in one interpreter would mostly measure them queueing for its one GIL.
+For the same reason the worker processes set a GIL switch interval of 50 ms
+(``--switch-interval``; Python's default of 5 ms makes each of a process's waiting threads
+force a switch every 5 ms).
 Every node thread builds its client and its rendezvous handler (not timed), then waits
 until the harness releases all nodes of all processes at once, and joins the round:
 
@@ -103,6 +106,9 @@ STORE_TIMEOUT = 300.0  # TCPStore read timeout of every c10d client
 LEFTOVER_GRACE = 60.0  # seconds to wait for the threads of a run that timed out
 #: Worker processes the simulated nodes are spread over, each with its own interpreter.
 PROCESSES = 16
+#: Seconds a thread of a worker process may run before a thread waiting for the GIL makes
+#: it let go (``sys.setswitchinterval``; Python's default is 0.005): see ``switch_interval``.
+SWITCH_INTERVAL = 0.05
 #: Nodes of one worker process that set up (connect) at the same time.
 SETUP_CONCURRENCY = 4
 #: Times a run whose nodes could not all set up is tried again, and the pause before.
@@ -221,9 +227,10 @@ class HarnessError(Exception):
     """A worker process died or stopped answering."""
 
 
-def worker(conn: Connection, go: Any, abort: Any) -> None:
+def worker(conn: Connection, go: Any, abort: Any, switch_interval: float) -> None:
     """A worker process: runs its share of the nodes of each job the harness sends it."""
     raise_file_limit()
+    sys.setswitchinterval(switch_interval)
     while True:
         message = conn.recv()
         if message is None:
@@ -364,8 +371,14 @@ class Workers:
     ``i mod P``, P = min(``count``, N). They are kept from one measurement to the next, and
     replaced after one that left nodes behind or went wrong."""
 
-    def __init__(self, count: int, target: Callable[..., None] = worker) -> None:
+    def __init__(
+        self,
+        count: int,
+        switch_interval: float = SWITCH_INTERVAL,
+        target: Callable[..., None] = worker,
+    ) -> None:
         self.count = count
+        self.switch_interval = switch_interval
         self.target = target
         self.context = multiprocessing.get_context("spawn")  # no fork of gRPC or torch threads
         self.go = self.context.Event()
@@ -378,7 +391,9 @@ class Workers:
         while len(self.processes) < count:
             ours, theirs = self.context.Pipe()
             process = self.context.Process(
-                target=self.target, args=(theirs, self.go, self.abort), daemon=True
+                target=self.target,
+                args=(theirs, self.go, self.abort, self.switch_interval),
+                daemon=True,
             )
             process.start()
             theirs.close()
@@ -1019,6 +1034,7 @@ def method(results: dict[str, Any]) -> list[str]:
         "N/P nodes rather than by all N; all of them, the store server and the harness share",
         f"this machine's {os.cpu_count()} CPUs, where real nodes would each have their own.",
         "",
+        *switch_interval(results),
         "Each node builds its client and handler first (not timed; connections are opened",
         "a few at a time per process). When every node of every process is ready, the",
         "harness releases them all at once (one event shared by the processes); a run's time",
@@ -1028,6 +1044,24 @@ def method(results: dict[str, Any]) -> list[str]:
         "its own rank in that list. Sizes run in increasing order, every implementation at",
         "one N before the next N; the worker processes are reused from run to run (replaced",
         "after a run that left nodes behind).",
+        "",
+    ]
+
+
+def switch_interval(results: dict[str, Any]) -> list[str]:
+    """The worker processes' GIL switch interval, and why it is not Python's default."""
+    seconds = results.get("switch_interval_s")
+    if seconds is None:  # results written before the harness set it: Python's default
+        return []
+    return [
+        f"Each worker process sets Python's switch interval to {seconds * 1000:g} ms",
+        "(`sys.setswitchinterval`; Python's default is 5 ms, `--switch-interval` sets it).",
+        "A worker process runs 2N/P threads (each node's and its heartbeat thread): at 5 ms",
+        "each thread waiting for the GIL wakes every 5 ms to make the running one let go, and",
+        "at 1024 nodes those forced switches cost the worker processes more CPU than some",
+        "stores' own work ([the Redis page](plugins/redis.md#benchmark) has an A/B). A real agent has a few threads",
+        "in its interpreter. Threads still hand the GIL on at every blocking call, so every",
+        "store request is still a switch.",
         "",
     ]
 
@@ -1269,8 +1303,17 @@ def main() -> None:
         default=600.0,
         help="seconds before a rallypoint run is abandoned",
     )
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        default=SWITCH_INTERVAL,
+        help="sys.setswitchinterval of the worker processes, in seconds (default: "
+        "%(default)s; Python's own is 0.005)",
+    )
     common.add_render_only(parser, RESULTS)
     args = parser.parse_args()
+    if not 0 < args.switch_interval <= 1:
+        parser.error(f"--switch-interval {args.switch_interval:g}: give seconds in (0, 1]")
     if args.render_only:
         saved = upgrade(json.loads(RESULTS.read_text()))
         saved["chart"] = chart(saved, saved["sizes"])
@@ -1299,7 +1342,7 @@ def main() -> None:
     began = time.time()
     with tempfile.TemporaryDirectory(prefix="bench-rdzv-") as tmp_dir:
         servers = Servers(names, tmp_dir)
-        workers = Workers(args.processes)
+        workers = Workers(args.processes, args.switch_interval)
         try:
             table = measure(
                 names,
@@ -1333,6 +1376,7 @@ def main() -> None:
         "counted": "store operations",
         "repeat": args.repeat,
         "processes": args.processes,
+        "switch_interval_s": args.switch_interval,
         "sizes": sizes,
         "torch_timeout": args.torch_timeout,
         "rallypoint_timeout": args.rallypoint_timeout,
