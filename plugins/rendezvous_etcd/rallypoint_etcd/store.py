@@ -811,32 +811,29 @@ class EtcdStore:
             if not kept.failed:
                 return None
         self._drop_watch()
-        while True:
-            found, revision = self._read(wanted, keys_only=keys_only)
-            missing = {key for key in wanted if key not in found}
-            if not missing:
-                return found
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            watch = _Watch(wanted, missing, found)
-            try:
-                self._connection.subscribe(
-                    watch, min(missing), max(missing) + b"\x00", revision + 1
-                )
-            except BaseException:
-                self._connection.unsubscribe(watch)
-                raise
-            self._watch = watch
-            if watch.done.wait(remaining) and not watch.failed:
-                self._drop_watch()
-                return watch.found
-            if not watch.failed:
-                return None  # timed out; the watch stays for the next wait on these keys
+        found, revision = self._read(wanted, keys_only=keys_only)
+        missing = {key for key in wanted if key not in found}
+        if not missing:
+            return found
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        watch = _Watch(wanted, missing, found)
+        try:
+            self._connection.subscribe(watch, min(missing), max(missing) + b"\x00", revision + 1)
+        except BaseException:
+            self._connection.unsubscribe(watch)
+            raise
+        self._watch = watch
+        if watch.done.wait(remaining) and not watch.failed:
             self._drop_watch()
-            raise StoreUnavailable(
-                f"etcd at {self._connection.endpoint()} ended a watch (the server went away)"
-            )
+            return watch.found
+        if not watch.failed:
+            return None  # timed out; the watch stays for the next wait on these keys
+        self._drop_watch()
+        raise StoreUnavailable(
+            f"etcd at {self._connection.endpoint()} ended a watch (the server went away)"
+        )
 
     def _drop_watch(self) -> None:
         watch, self._watch = self._watch, None
