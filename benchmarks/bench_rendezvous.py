@@ -1059,11 +1059,11 @@ def switch_interval(results: dict[str, Any]) -> list[str]:
         f"Each worker process sets Python's switch interval to {seconds * 1000:g} ms",
         "(`sys.setswitchinterval`; Python's default is 5 ms, `--switch-interval` sets it).",
         "A worker process runs 2N/P threads (each node's and its heartbeat thread): at 5 ms",
-        "each thread waiting for the GIL wakes every 5 ms to make the running one let go, and",
-        "at 1024 nodes those forced switches cost the worker processes more CPU than some",
-        "stores' own work ([the Redis page](plugins/redis.md#benchmark) has an A/B). A real agent has a few threads",
-        "in its interpreter. Threads still hand the GIL on at every blocking call, so every",
-        "store request is still a switch.",
+        "each thread waiting for the GIL wakes every 5 ms to make the running one let go; at",
+        "1024 nodes on Redis those forced switches took about a third of the worker processes'",
+        "CPU ([the Redis page](plugins/redis.md#benchmark) has the A/B). A real agent has a",
+        "few threads in its interpreter. Threads still hand the GIL on at every blocking call,",
+        "so every store request is still a switch.",
         "",
     ]
 
