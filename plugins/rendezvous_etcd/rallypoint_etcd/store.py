@@ -575,7 +575,7 @@ class EtcdStore:
     def __init__(
         self, config: EtcdConfig, *, probe_key: str = "/", _connection: _Connection | None = None
     ) -> None:
-        self._leases: dict[bytes, tuple[int, int]] = {}  # key -> (lease id, ttl)
+        self._leases: dict[bytes, int] = {}  # key kept alive -> lease TTL
         self._watch: _Watch | None = None
         self._closed = False  # a second close must not let go of the shared connection again
         if _connection is not None:
@@ -856,8 +856,7 @@ class EtcdStore:
         name = key.encode()
         lease_id = _lease_id(name)
         seconds = self.lease_seconds(ttl)
-        held = self._leases.get(name)
-        if held is not None and held[1] == seconds:
+        if self._leases.get(name) == seconds:
             reply = self._connection.call(
                 etcdrpc.LeaseStub, "LeaseKeepAlive", etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
             )
@@ -876,7 +875,7 @@ class EtcdStore:
                     f"etcd at {self._connection.endpoint()} kept lease {lease_id:x} of "
                     f"{key!r} after revoking it; is another agent running as this node?"
                 )
-        self._leases[name] = (lease_id, seconds)
+        self._leases[name] = seconds
 
     def _grant(self, lease_id: int, seconds: int) -> bool:
         """Grant lease ``lease_id``; False if it exists already."""
@@ -912,15 +911,15 @@ class EtcdStore:
         return EtcdStore(self.config, _connection=self._connection)
 
     def close(self) -> None:
-        """Release the connection; a key kept alive here is deleted now (its lease is
-        revoked), so the other nodes see this one leave at once, not after the TTL."""
+        """Release the connection; the leases of the keys kept alive here are revoked now,
+        so the other nodes see this one leave at once, not after the TTL."""
         if self._closed:
             return
         self._closed = True
         self._drop_watch()
-        leases, self._leases = list(self._leases.values()), {}
-        for lease_id, _ in leases:
-            self._revoke(lease_id)
+        kept, self._leases = list(self._leases), {}
+        for name in kept:
+            self._revoke(_lease_id(name))
         self._connection.close()
 
 
