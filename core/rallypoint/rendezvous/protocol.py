@@ -529,8 +529,7 @@ class StoreRendezvous:
 
     def _ended(self, round_: int) -> bool:
         """Whether the job has moved past ``round_`` (one read of the state)."""
-        raw = self.store.get(self.keys.state())
-        return raw is not None and records.decode_int(self.keys.state(), raw) > round_
+        return self._state() > round_
 
     def _alive(self, store: CoordinationStore, node_id: str) -> bool:
         """Whether ``node_id`` keeps itself alive; every node counts as alive while this one
