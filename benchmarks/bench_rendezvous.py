@@ -512,6 +512,7 @@ class CountingStore:
     OPERATIONS = frozenset(
         {
             "add",
+            "add_and_get",
             "get",
             "get_many",
             "set",

@@ -290,20 +290,27 @@ def test_an_outage_longer_than_retry_timeout_is_a_clear_error() -> None:
         FlakyStore.down.clear()
 
 
-class StoreWithoutWaitValue:
-    """A store written before ``wait_value`` was part of the interface."""
+class OlderStore:
+    """A store written before ``wait_value`` and ``add_and_get`` were in the interface."""
 
     def __init__(self) -> None:
         self._memory = MemoryStore()
 
     def __getattr__(self, name: str) -> object:
-        if name == "wait_value":
+        if name in ("wait_value", "add_and_get"):
             raise AttributeError(name)
         return getattr(self._memory, name)
 
 
 def test_a_store_without_wait_value_gets_wait_then_get() -> None:
-    store = RetryingStore(StoreWithoutWaitValue(), retry_timeout=1)  # type: ignore[arg-type]
+    store = RetryingStore(OlderStore(), retry_timeout=1)  # type: ignore[arg-type]
     assert store.wait_value("/k", 0.1) is None
     threading.Timer(0.2, store.set, args=("/k", b"value")).start()
     assert store.wait_value("/k", 10) == b"value"
+
+
+def test_a_store_without_add_and_get_gets_add_then_get() -> None:
+    store = RetryingStore(OlderStore(), retry_timeout=1)  # type: ignore[arg-type]
+    assert store.add_and_get("/count", 1, "/state") == (1, None)
+    store.set("/state", b"3")
+    assert store.add_and_get("/count", 1, "/state") == (2, b"3")

@@ -36,6 +36,10 @@ class MemoryStore:
             self._shared.changed.notify_all()
             return value
 
+    def add_and_get(self, key: str, amount: int, other: str) -> tuple[int, bytes | None]:
+        with self._shared.changed:
+            return self.add(key, amount), self._shared.values.get(other)
+
     def get(self, key: str) -> bytes | None:
         with self._shared.changed:
             return self._shared.values.get(key)

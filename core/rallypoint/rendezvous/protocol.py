@@ -7,7 +7,10 @@ has a ``prefix`` option), so two jobs never meet. For round ``r``:
   (so a new job's nodes only read it); moving it from ``r`` to ``r+1`` (compare-and-set)
   ends round ``r`` for everybody: a node died, a worker failed, or a late node wants in.
   ``r+1/open`` is set right after, and that is what members wait on.
-* ``r/joined`` - an atomic counter; each joiner's value is its join index ``i``.
+* ``r/joined`` - an atomic counter; each joiner's value is its join index ``i``. The
+  request that takes it also reads ``state`` (``add_and_get``): a node joins the round
+  after its last (or round 0) and learns in the same request whether the job is further
+  on; then it voids the number it took (an empty ``r/node/<i>``) and joins the job's round.
 * ``r/node/<i>`` - the joiner's ``NodeRecord``; its existence also marks "``i`` joined",
   which is what the leader waits on, so waiting is event-driven (``wait`` on a key).
 * ``r/expected`` - how many nodes a re-formed round expects (survivors plus newcomers), so
@@ -160,6 +163,13 @@ class RetryingStore:
     def get(self, key: str) -> bytes | None:
         return self._retry(lambda: self.store.get(key))
 
+    def add_and_get(self, key: str, amount: int, other: str) -> tuple[int, bytes | None]:
+        store = self.store
+        both = getattr(store, "add_and_get", None)
+        if both is not None:
+            return self._retry(lambda: both(key, amount, other))  # type: ignore[no-any-return]
+        return self.add(key, amount), self.get(other)
+
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         return self._retry(lambda: self.store.get_many(keys))
 
@@ -287,17 +297,20 @@ class StoreRendezvous:
         deadline = time.monotonic() + self.settings.join_timeout
         self._joining = deadline
         self._start_heartbeats()
-        round_ = max(self._state(), (self.round + 1) if self.round is not None else 0)
+        # The round after this node's last (or 0): joining it also reads the job's round,
+        # and moves on to that one if the job is further on.
+        round_ = (self.round + 1) if self.round is not None else 0
         try:
             while True:
                 try:
                     record = self._join(round_, deadline)
                 except _LeaderLost:
-                    round_ = max(round_ + 1, self._state())
+                    round_ = max((self._last_joined or 0) + 1, self._state())
                     continue
                 if self.node.node_id in record.node_ids:
                     return self._assignment(record)
                 # Too late for this round: ask for a new one if there is room, else wait.
+                round_ = record.round
                 running = len(record.node_ids)
                 if running < self.settings.max_nodes:
                     self._advance(round_, running + 1)
@@ -401,7 +414,17 @@ class StoreRendezvous:
         """Join ``round_``; return its record (without this node if it came too late)."""
         self._port = self._reserve_port()
         self._last_joined = round_
-        index = self.store.add(self.keys.of_round(round_, "joined"), 1)
+        index, state = self.store.add_and_get(
+            self.keys.of_round(round_, "joined"), 1, self.keys.state()
+        )
+        ahead = records.decode_state(self.keys.state(), state)
+        if ahead > round_:
+            # The job is further on: round_ has ended. The number taken there is void (an
+            # empty record, which a leader still closing round_ skips without waiting);
+            # join the job's round.
+            self.store.set(self.keys.of_round(round_, "node", index), b"")
+            round_ = self._last_joined = ahead
+            index = self.store.add(self.keys.of_round(round_, "joined"), 1)
         mine = records.NodeRecord(
             node_id=self.node.node_id,
             host=self.node.host,

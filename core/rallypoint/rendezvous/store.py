@@ -40,6 +40,13 @@ class CoordinationStore(Protocol):
         """Atomically add ``amount`` to the integer at ``key`` (0 if absent); return the sum."""
         ...
 
+    def add_and_get(self, key: str, amount: int, other: str) -> tuple[int, bytes | None]:
+        """``add(key, amount)`` and ``get(other)``, in one request where the service
+        allows (an etcd transaction, a Redis script): every node joins a round this way,
+        taking its join number and reading the job's round at once. ``add`` then ``get``
+        is a correct implementation; a store without this method gets just that."""
+        ...
+
     def get(self, key: str) -> bytes | None:
         """The value at ``key``, or ``None`` if there is none; never blocks."""
         ...

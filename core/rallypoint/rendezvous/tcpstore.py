@@ -156,6 +156,10 @@ class TCPStoreClient(CounterLiveness):
             self._written.add(key)
         return int(self._call("add", key, amount))
 
+    def add_and_get(self, key: str, amount: int, other: str) -> tuple[int, bytes | None]:
+        # TCPStore has no request that does both: two round trips.
+        return self.add(key, amount), self.get(other)
+
     def get(self, key: str) -> bytes | None:
         # TCPStore's own get waits for the key (two round trips, and it blocks while the
         # key is absent). A compare-and-set that never matches reads in one round trip,

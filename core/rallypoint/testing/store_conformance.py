@@ -130,6 +130,31 @@ class StoreConformance:
         finally:
             store.close()
 
+    def test_add_and_get_adds_and_reads_together(self, connect: Connect, prefix: str) -> None:
+        # As the protocol calls it: the store's own add_and_get, or add then get for a
+        # store without it. Each node joins a round this way.
+        store = RetryingStore(connect(), retry_timeout=0)
+        try:
+            assert store.add_and_get(prefix + "first", 1, prefix + "absent") == (1, None)
+            store.set(prefix + "state", b"round 3")
+
+            def join_many(_: int) -> list[tuple[int, bytes | None]]:
+                client = RetryingStore(connect(), retry_timeout=0)
+                try:
+                    return [
+                        client.add_and_get(prefix + "joined", 1, prefix + "state")
+                        for _ in range(25)
+                    ]
+                finally:
+                    client.close()
+
+            results = [pair for pairs in _in_threads(8, join_many) for pair in pairs]
+            assert sorted(count for count, _ in results) == list(range(1, 201))
+            assert {value for _, value in results} == {b"round 3"}
+            assert store.add(prefix + "joined", 0) == 200
+        finally:
+            store.close()
+
     def test_compare_set(self, store: CoordinationStore, prefix: str) -> None:
         key = prefix + "cas"
         assert store.compare_set(key, None, b"one") == b"one"
@@ -379,6 +404,37 @@ class StoreConformance:
             assert again.info.group_world_size == 2
             assert joined[0].info.members == again.info.members
             assert reader.get(state) == records.encode_int(1)
+        finally:
+            first.close()
+            late.close()
+            reader.close()
+
+    def test_a_new_node_joins_the_round_the_job_is_in(self, connect: Connect) -> None:
+        from rallypoint.rendezvous.protocol import Keys
+
+        run_id = uuid.uuid4().hex
+        keys = Keys("/rallypoint", run_id)
+        first = self._node(connect, run_id, "a", 1, 3, last_call_timeout=0.5)
+        late = self._node(connect, run_id, "b", 1, 3, last_call_timeout=0.5)
+        reader = connect()
+        try:
+            assert first.next_round().info.round == 0
+            first.request_new_round()  # a local failure: the job moves on to round 1
+            assert first.next_round().info.round == 1
+            # b starts at round 0 and learns, with the number it takes there, that the job
+            # is in round 1: that number is voided (an empty record) and b joins round 1,
+            # which ends it for a round 2 with both.
+            joined: list[Any] = []
+            thread = threading.Thread(target=lambda: joined.append(late.next_round()), daemon=True)
+            thread.start()
+            deadline = time.monotonic() + 10
+            while first.nodes_waiting() == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            again = first.next_round()
+            thread.join(30)
+            assert again.info.round == 2 and again.info.group_world_size == 2
+            assert joined[0].info.members == again.info.members
+            assert reader.get(keys.of_round(0, "node", 2)) == b""
         finally:
             first.close()
             late.close()

@@ -619,6 +619,11 @@ class ${cls}Store:
         """Atomically add ``amount`` to the integer at ``key`` (0 if absent); the sum."""
         return self._memory.add(key, amount)
 
+    def add_and_get(self, key: str, amount: int, other: str) -> tuple[int, bytes | None]:
+        """``add(key, amount)`` and ``get(other)``, in one request where the service
+        allows (a transaction, a script)."""
+        return self._memory.add_and_get(key, amount, other)
+
     def get(self, key: str) -> bytes | None:
         """The value, ``None`` if absent; never blocks."""
         return self._memory.get(key)

@@ -723,35 +723,58 @@ class EtcdStore:
 
     def add(self, key: str, amount: int) -> int:
         name = key.encode()
+        kv: Any = None
         if amount == 0:
             kvs = self._range(name).kvs
             return _counter(name, kvs[0]) if kvs else 0
-        kv: Any = None
         if amount == 1:
-            # A counter: bump its version, keeping its base (ignore_value). Absent: create
-            # it. Either way one request, and concurrent adds never conflict.
-            is_counter = [
-                _compare(name, "VALUE", value=_MARK, result="GREATER"),
-                _compare(name, "VALUE", value=_MARK_END, result="LESS"),
-            ]
-            create = etcdrpc.TxnRequest(
-                compare=[_compare(name, "CREATE", create_revision=0)],
-                success=[_put(name, _MARK + b"0")],
-                failure=[_get(name)],
-            )
-            bump = etcdrpc.RequestOp(
-                request_put=etcdrpc.PutRequest(key=name, ignore_value=True, prev_kv=True)
-            )
-            reply = self._txn(is_counter, [bump], [etcdrpc.RequestOp(request_txn=create)])
-            if reply.succeeded:
-                return _counter(name, reply.responses[0].response_put.prev_kv) + 1
-            inner = reply.responses[0].response_txn
-            if inner.succeeded:
-                return 1
-            kv = inner.responses[0].response_range.kvs[0]
+            count, kv, _ = self._bump(name)
+            if count is not None:
+                return count
         else:
             kvs = self._range(name).kvs
             kv = kvs[0] if kvs else None
+        return self._add_to(name, kv, amount)
+
+    def add_and_get(self, key: str, amount: int, other: str) -> tuple[int, bytes | None]:
+        """``add(key, amount)`` and ``get(other)`` in one request (a transaction)."""
+        if amount != 1:
+            return self.add(key, amount), self.get(other)
+        name = key.encode()
+        count, kv, read = self._bump(name, other.encode())
+        if count is None:
+            count = self._add_to(name, kv, amount)
+        return count, (_value(read[0]) if read else None)
+
+    def _bump(self, name: bytes, *reads: bytes) -> tuple[int | None, Any, Any]:
+        """Add 1 to the counter at ``name`` in one request that also reads ``reads`` (one
+        key at most): its new value (None if ``name`` holds no counter, whose key-value
+        comes second), and what the read found (its key-values)."""
+        # A counter: bump its version, keeping its base (ignore_value). Absent: create
+        # it. Either way one request, and concurrent adds never conflict.
+        also = [_get(key) for key in reads]
+        is_counter = [
+            _compare(name, "VALUE", value=_MARK, result="GREATER"),
+            _compare(name, "VALUE", value=_MARK_END, result="LESS"),
+        ]
+        create = etcdrpc.TxnRequest(
+            compare=[_compare(name, "CREATE", create_revision=0)],
+            success=[_put(name, _MARK + b"0")],
+            failure=[_get(name)],
+        )
+        bump = etcdrpc.RequestOp(
+            request_put=etcdrpc.PutRequest(key=name, ignore_value=True, prev_kv=True)
+        )
+        reply = self._txn(is_counter, [bump, *also], [etcdrpc.RequestOp(request_txn=create), *also])
+        read = reply.responses[1].response_range.kvs if reads else None
+        if reply.succeeded:
+            return _counter(name, reply.responses[0].response_put.prev_kv) + 1, None, read
+        inner = reply.responses[0].response_txn
+        if inner.succeeded:
+            return 1, None, read
+        return None, inner.responses[0].response_range.kvs[0], read
+
+    def _add_to(self, name: bytes, kv: Any, amount: int) -> int:
         # Another amount, or a key set() as a plain integer: compare-and-set the base.
         while True:
             total = (_counter(name, kv) if kv is not None else 0) + amount

@@ -4,6 +4,7 @@ How the store's operations map to Redis:
 
 * ``add``, ``set`` and ``compare_set`` are server-side Lua scripts: each is atomic, takes
   one round trip, and when it creates the key publishes the value on the key's channel.
+  ``add_and_get`` is ``add``'s script with a ``GET`` of a second key in it.
 * ``wait`` subscribes to the channels of the keys it waits for (a channel is named like
   its key), then reads the keys, then blocks on the subscription until the missing ones
   are published. No polling: a round closes as soon as its last key is set. A wait for
@@ -88,6 +89,14 @@ if existed == 0 then redis.call('PUBLISH', KEYS[1], tostring(value)) end
 return value
 """
 
+# KEYS[1]: the counter, as in _ADD_TEXT; KEYS[2]: a key read in the same request.
+_ADD_AND_GET_TEXT = """
+local existed = redis.call('EXISTS', KEYS[1])
+local value = redis.call('INCRBY', KEYS[1], ARGV[1])
+if existed == 0 then redis.call('PUBLISH', KEYS[1], tostring(value)) end
+return {value, redis.call('GET', KEYS[2])}
+"""
+
 # ARGV: 1 if a value is expected (else: the key must be absent), the expected value,
 # the desired value.
 _COMPARE_SET_TEXT = """
@@ -114,6 +123,7 @@ class _Script:
 
 
 _SET, _ADD, _COMPARE_SET = _Script(_SET_TEXT), _Script(_ADD_TEXT), _Script(_COMPARE_SET_TEXT)
+_ADD_AND_GET = _Script(_ADD_AND_GET_TEXT)
 
 
 @dataclass(frozen=True)
@@ -175,13 +185,13 @@ class RedisStore:
             self._drop_connection()
             raise
 
-    def _script(self, script: _Script, key: str, *args: Any) -> Any:
-        """Run ``script`` on ``key``: by its SHA1, or by its text where the server does
+    def _script(self, script: _Script, keys: Sequence[str], *args: Any) -> Any:
+        """Run ``script`` on ``keys``: by its SHA1, or by its text where the server does
         not have it cached (a restarted server, a failover)."""
         try:
-            return self._command("EVALSHA", script.sha, 1, key, *args)
+            return self._command("EVALSHA", script.sha, len(keys), *keys, *args)
         except redis.exceptions.NoScriptError:
-            return self._command("EVAL", script.text, 1, key, *args)
+            return self._command("EVAL", script.text, len(keys), *keys, *args)
 
     def _drop_connection(self) -> None:
         connection, self._connection = self._connection, None
@@ -206,7 +216,12 @@ class RedisStore:
     # --- CoordinationStore ----------------------------------------------------------------
 
     def add(self, key: str, amount: int) -> int:
-        return int(self._call(lambda: self._script(_ADD, key, int(amount))))
+        return int(self._call(lambda: self._script(_ADD, [key], int(amount))))
+
+    def add_and_get(self, key: str, amount: int, other: str) -> tuple[int, bytes | None]:
+        """``add`` and ``get`` in one script: one round trip."""
+        total, value = self._call(lambda: self._script(_ADD_AND_GET, [key, other], int(amount)))
+        return int(total), None if value is None else bytes(value)
 
     def get(self, key: str) -> bytes | None:
         value = self._call(lambda: self._command("GET", key))
@@ -219,11 +234,11 @@ class RedisStore:
         return [None if value is None else bytes(value) for value in values]
 
     def set(self, key: str, value: bytes) -> None:
-        self._call(lambda: self._script(_SET, key, bytes(value)))
+        self._call(lambda: self._script(_SET, [key], bytes(value)))
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bytes:
         args = ["0", b""] if expected is None else ["1", bytes(expected)]
-        value = self._call(lambda: self._script(_COMPARE_SET, key, *args, bytes(desired)))
+        value = self._call(lambda: self._script(_COMPARE_SET, [key], *args, bytes(desired)))
         return bytes(value)
 
     def keep_alive(self, key: str, ttl: float) -> None:
