@@ -1153,9 +1153,11 @@ def render(results: dict[str, Any], sizes: Sequence[int]) -> str:
         + (
             "Store operations are calls of the `CoordinationStore` methods by the round's "
             "handlers, counted by a proxy around each node's store client (`get_many` of N "
-            "keys is one; `wait_value`, which every node reads the round's record with, is "
-            "one: on etcd and Redis the watch event or message carries the value, on c10d "
-            "it is a wait and a read); the heartbeat thread's connection is not counted."
+            "keys is one; `add_and_get`, with which every node takes its join number and "
+            "reads the job's round, is one: a transaction on etcd, a script on Redis, an add "
+            "and a read on c10d; `wait_value`, which every node reads the round's record "
+            "with, is one: on etcd and Redis the watch event or message carries the value, on "
+            "c10d it is a wait and a read); the heartbeat thread's connection is not counted."
             if counted == "store operations"
             else "Store requests are TCPStore requests of the round's handlers; heartbeat "
             "connections are not counted."
@@ -1188,9 +1190,11 @@ def render(results: dict[str, Any], sizes: Sequence[int]) -> str:
         f"process, which hosts the TCPStore). This machine has {results.get('cpus', '?')} "
         "CPUs: where the two add up to about CPUs x seconds, the round was bound by this "
         "machine's CPU, shared by all N simulated nodes and the server, rather than by waiting."
-        " Per node: the nodes' CPU divided by N. Part of its growth from 256 to 1024 nodes is "
-        "each node decoding an N-member record (below); the rest comes with more threads per "
-        "interpreter and per CPU.",
+        " Per node: the nodes' CPU divided by N. About half of its growth from 256 to 1024 "
+        "nodes is each node decoding an N-member record (below; under load it takes 1.5 to 2 "
+        "times as long as alone). The rest has no single cause found; the threads per "
+        "interpreter are not it: the same N over 4, 16 or 64 worker processes took the same "
+        "time within the runs' spread.",
     ]
     lines += [
         "",

@@ -246,7 +246,8 @@ class Agent:
         """``"membership"`` when a node of the failed round is not in the next one: it died
         or left, and its workers' loss is what failed ours (gloo's "Connection closed by
         peer"); it does not use up a restart. Else ``"failure"``."""
-        lost = [node for node in failed if node not in members]
+        present = set(members)  # a thousand members: a set, not a scan per node
+        lost = [node for node in failed if node not in present]
         if not lost:
             return "failure"
         logger.info(
