@@ -378,6 +378,22 @@ class StoreConformance:
             members[runs[index % 2]].update(assignment.info.members)
         assert members == {runs[0]: {"n0", "n2"}, runs[1]: {"n1", "n3"}}
 
+    @staticmethod
+    def _join_late(first: StoreRendezvous, late: StoreRendezvous) -> tuple[Assignment, Assignment]:
+        """``late`` joins on another thread while ``first`` runs a round; once ``first``
+        sees that round end (within 10 s), it joins the next one: both assignments."""
+        joined: list[Assignment] = []
+        thread = threading.Thread(target=lambda: joined.append(late.next_round()), daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while first.nodes_waiting() == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert first.nodes_waiting() == 1, "the late node did not end the running round"
+        again = first.next_round()
+        thread.join(30)
+        assert joined, "the late node did not join the next round"
+        return again, joined[0]
+
     def test_a_late_node_ends_the_round_when_there_is_room(self, connect: Connect) -> None:
         from rallypoint.rendezvous import records
         from rallypoint.rendezvous.protocol import Keys
@@ -392,17 +408,9 @@ class StoreConformance:
             assert first.nodes_waiting() == 0
             # Round 0 writes no state: a new job's nodes only read it (absent: round 0).
             assert reader.get(state) is None
-            joined: list[Any] = []
-            thread = threading.Thread(target=lambda: joined.append(late.next_round()), daemon=True)
-            thread.start()
-            deadline = time.monotonic() + 10
-            while first.nodes_waiting() == 0 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert first.nodes_waiting() == 1
-            again = first.next_round()
-            thread.join(30)
+            again, joined = self._join_late(first, late)
             assert again.info.group_world_size == 2
-            assert joined[0].info.members == again.info.members
+            assert joined.info.members == again.info.members
             assert reader.get(state) == records.encode_int(1)
         finally:
             first.close()
@@ -424,16 +432,9 @@ class StoreConformance:
             # b starts at round 0 and learns, with the number it takes there, that the job
             # is in round 1: that number is voided (an empty record) and b joins round 1,
             # which ends it for a round 2 with both.
-            joined: list[Any] = []
-            thread = threading.Thread(target=lambda: joined.append(late.next_round()), daemon=True)
-            thread.start()
-            deadline = time.monotonic() + 10
-            while first.nodes_waiting() == 0 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            again = first.next_round()
-            thread.join(30)
+            again, joined = self._join_late(first, late)
             assert again.info.round == 2 and again.info.group_world_size == 2
-            assert joined[0].info.members == again.info.members
+            assert joined.info.members == again.info.members
             assert reader.get(keys.of_round(0, "node", 2)) == b""
         finally:
             first.close()
