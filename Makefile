@@ -43,8 +43,9 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
+# Not --quiet: it hides the warnings that --strict turns into a failure.
 docs: install
-	$(VENV)/bin/mkdocs build --strict --quiet --site-dir "$$(mktemp -d)"
+	$(VENV)/bin/mkdocs build --strict --site-dir "$$(mktemp -d)"
 
 # Most tests wait on real servers and agents, so they run on TEST_PROCESSES processes (on
 # 2 cores too); the few that change the installed environment run alone afterwards.
