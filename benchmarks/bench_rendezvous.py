@@ -797,48 +797,77 @@ def measure(
     servers: Servers,
     workers: Workers,
 ) -> dict[str, dict[str, Any]]:
+    """Every implementation at every size, ``repeat`` runs each.
+
+    rallypoint's backends first, each repetition going through every size and backend in
+    turn: this machine's speed drifts by a fifth or more within an hour, and runs of one
+    size taken minutes apart from those of the next would put that drift into the growth
+    between sizes. torch's handler comes after them: its runs at 256 nodes and more load
+    the machine for minutes, and a run right after one of them measured slower (a c10d
+    round of 1024 nodes: 0.78 s before, 0.92 s right after, 0.79 s 20 s later).
+    """
+
     def once(name: str, n: int, cap: float) -> Sample:
         if name == "torch":
             return measure_torch(n, cap, workers)
         with servers.endpoint(name) as endpoint:
             return measure_store(name, endpoint, n, cap, workers, servers.pid(name))
 
+    samples: dict[str, dict[int, list[Sample]]] = {name: {n: [] for n in sizes} for name in names}
     gave_up: dict[str, int | None] = {name: None for name in names}
+
+    def run(name: str, n: int, index: int) -> bool:
+        """One run of ``name`` at ``n``; whether to go on with larger sizes."""
+        cap = torch_cap if name == "torch" else rallypoint_cap
+        gc.collect()
+        time.sleep(0.5)
+        sample = once(name, n, cap)
+        retries = 0
+        while (sample.error or "").startswith("setup") and retries < SETUP_RETRIES:
+            # Nothing was timed yet: the nodes could not connect (torch's TCPStore
+            # server looks up every client's address in DNS as it accepts it, and a
+            # resolver that stops answering stalls it). Set up again after a pause.
+            retries += 1
+            print(f"{name:6} N={n:5} run {index + 1}/{repeat}: {sample.error}; again")
+            time.sleep(SETUP_RETRY_PAUSE)
+            sample = once(name, n, cap)
+        sample.setup_retries = retries
+        samples[name][n].append(sample)
+        shown = f"{sample.seconds:.3f} s" if sample.seconds is not None else "timed out"
+        extra = f" ({sample.error})" if sample.error else ""
+        print(f"{name:6} N={n:5} run {index + 1}/{repeat}: {shown}{extra}", flush=True)
+        if not sample.ok:
+            gave_up[name] = n  # a failed or stuck run is not retried, nor larger sizes
+        return sample.ok
+
+    ours = [name for name in names if name != "torch"]
+    for index in range(repeat):
+        for n in sizes:
+            for name in ours:
+                stop = gave_up[name]
+                if stop is None or n < stop:
+                    run(name, n, index)
+    if "torch" in names:
+        for n in sizes:
+            for index in range(repeat):
+                if not run("torch", n, index):
+                    break
+            if gave_up["torch"] is not None:
+                break
+
     table: dict[str, dict[str, Any]] = {name: {} for name in names}
-    for n in sizes:
-        for name in names:
-            cap = torch_cap if name == "torch" else rallypoint_cap
-            if gave_up[name] is not None:
+    for name in names:
+        cap = torch_cap if name == "torch" else rallypoint_cap
+        stop = gave_up[name]
+        for n in sizes:
+            if stop is not None and n > stop:
                 table[name][str(n)] = {
                     "status": "not run",
-                    "reason": f"failed or timed out at {gave_up[name]} nodes",
-                    "samples": [],
+                    "reason": f"failed or timed out at {stop} nodes",
+                    "samples": [asdict(sample) for sample in samples[name][n]],
                 }
-                continue
-            samples: list[Sample] = []
-            for index in range(repeat):
-                gc.collect()
-                time.sleep(0.5)
-                sample = once(name, n, cap)
-                retries = 0
-                while (sample.error or "").startswith("setup") and retries < SETUP_RETRIES:
-                    # Nothing was timed yet: the nodes could not connect (torch's TCPStore
-                    # server looks up every client's address in DNS as it accepts it, and a
-                    # resolver that stops answering stalls it). Set up again after a pause.
-                    retries += 1
-                    print(f"{name:6} N={n:5} run {index + 1}/{repeat}: {sample.error}; again")
-                    time.sleep(SETUP_RETRY_PAUSE)
-                    sample = once(name, n, cap)
-                sample.setup_retries = retries
-                samples.append(sample)
-                shown = f"{sample.seconds:.3f} s" if sample.seconds is not None else "timed out"
-                extra = f" ({sample.error})" if sample.error else ""
-                print(f"{name:6} N={n:5} run {index + 1}/{repeat}: {shown}{extra}", flush=True)
-                if not sample.ok:
-                    break  # a failed or stuck run is not retried at this size
-            table[name][str(n)] = entry(samples, cap)
-            if table[name][str(n)]["status"] != "ok":
-                gave_up[name] = n
+            else:
+                table[name][str(n)] = entry(samples[name][n], cap)
     return table
 
 
@@ -1044,10 +1073,24 @@ def method(results: dict[str, Any]) -> list[str]:
         "is from the release until the last node's call returned (`time.perf_counter`, the",
         "system-wide monotonic clock). Each run is checked: ranks 0..N-1 once each; for",
         "rallypoint also one member list (compared by digest), one round, and each node at",
-        "its own rank in that list. Sizes run in increasing order, every implementation at",
-        "one N before the next N; the worker processes are reused from run to run (replaced",
-        "after a run that left nodes behind).",
+        "its own rank in that list.",
+        *order(results),
+        "The worker processes are reused from run to run (replaced after a run that left",
+        "nodes behind).",
         "",
+    ]
+
+
+def order(results: dict[str, Any]) -> list[str]:
+    """In what order the runs were made."""
+    if results.get("order") != "interleaved":  # results written before runs were interleaved
+        return ["Sizes run in increasing order, every implementation at one N before the next N."]
+    return [
+        "Order: rallypoint's backends first, each repetition going through every size and",
+        "backend in turn, so that this machine's drift (a fifth or more within an hour) falls",
+        "on every size alike rather than into the growth between sizes; then torch's handler,",
+        "whose runs at 256 nodes and more load the machine for minutes (a c10d round of 1024",
+        "nodes measured 0.78 s before one, 0.92 s right after, 0.79 s 20 s later).",
     ]
 
 
@@ -1388,6 +1431,7 @@ def main() -> None:
         "repeat": args.repeat,
         "processes": args.processes,
         "switch_interval_s": args.switch_interval,
+        "order": "interleaved",
         "sizes": sizes,
         "torch_timeout": args.torch_timeout,
         "rallypoint_timeout": args.rallypoint_timeout,
