@@ -849,11 +849,8 @@ def measure(
                     run(name, n, index)
     if "torch" in names:
         for n in sizes:
-            for index in range(repeat):
-                if not run("torch", n, index):
-                    break
-            if gave_up["torch"] is not None:
-                break
+            if not all(run("torch", n, index) for index in range(repeat)):
+                break  # a failed or stuck run: no more runs at this size, nor larger sizes
 
     table: dict[str, dict[str, Any]] = {name: {} for name in names}
     for name in names:

@@ -746,13 +746,13 @@ class EtcdStore:
             count = self._add_to(name, kv, amount)
         return count, (_value(read[0]) if read else None)
 
-    def _bump(self, name: bytes, *reads: bytes) -> tuple[int | None, Any, Any]:
-        """Add 1 to the counter at ``name`` in one request that also reads ``reads`` (one
-        key at most): its new value (None if ``name`` holds no counter, whose key-value
-        comes second), and what the read found (its key-values)."""
+    def _bump(self, name: bytes, read: bytes | None = None) -> tuple[int | None, Any, Any]:
+        """Add 1 to the counter at ``name`` in one request that also reads key ``read``:
+        its new value (None if ``name`` holds no counter, whose key-value comes second),
+        and what the read found (its key-values; None without ``read``)."""
         # A counter: bump its version, keeping its base (ignore_value). Absent: create
         # it. Either way one request, and concurrent adds never conflict.
-        also = [_get(key) for key in reads]
+        also = [] if read is None else [_get(read)]
         is_counter = [
             _compare(name, "VALUE", value=_MARK, result="GREATER"),
             _compare(name, "VALUE", value=_MARK_END, result="LESS"),
@@ -766,13 +766,13 @@ class EtcdStore:
             request_put=etcdrpc.PutRequest(key=name, ignore_value=True, prev_kv=True)
         )
         reply = self._txn(is_counter, [bump, *also], [etcdrpc.RequestOp(request_txn=create), *also])
-        read = reply.responses[1].response_range.kvs if reads else None
+        found = reply.responses[1].response_range.kvs if also else None
         if reply.succeeded:
-            return _counter(name, reply.responses[0].response_put.prev_kv) + 1, None, read
+            return _counter(name, reply.responses[0].response_put.prev_kv) + 1, None, found
         inner = reply.responses[0].response_txn
         if inner.succeeded:
-            return 1, None, read
-        return None, inner.responses[0].response_range.kvs[0], read
+            return 1, None, found
+        return None, inner.responses[0].response_range.kvs[0], found
 
     def _add_to(self, name: bytes, kv: Any, amount: int) -> int:
         # Another amount, or a key set() as a plain integer: compare-and-set the base.

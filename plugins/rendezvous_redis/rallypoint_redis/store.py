@@ -4,7 +4,7 @@ How the store's operations map to Redis:
 
 * ``add``, ``set`` and ``compare_set`` are server-side Lua scripts: each is atomic, takes
   one round trip, and when it creates the key publishes the value on the key's channel.
-  ``add_and_get`` is ``add``'s script with a ``GET`` of a second key in it.
+  ``add_and_get`` is ``add``'s script given a second key, which it reads (``GET``).
 * ``wait`` subscribes to the channels of the keys it waits for (a channel is named like
   its key), then reads the keys, then blocks on the subscription until the missing ones
   are published. No polling: a round closes as soon as its last key is set. A wait for
@@ -81,20 +81,13 @@ if existed == 0 then redis.call('PUBLISH', KEYS[1], ARGV[1]) end
 return 1
 """
 
+# KEYS[2], if given: a key read in the same request (add_and_get), answered beside the sum.
 _ADD_TEXT = """
 local existed = redis.call('EXISTS', KEYS[1])
-if existed == 1 and ARGV[1] == '0' then return redis.call('INCRBY', KEYS[1], 0) end
 local value = redis.call('INCRBY', KEYS[1], ARGV[1])
 if existed == 0 then redis.call('PUBLISH', KEYS[1], tostring(value)) end
+if KEYS[2] then return {value, redis.call('GET', KEYS[2])} end
 return value
-"""
-
-# KEYS[1]: the counter, as in _ADD_TEXT; KEYS[2]: a key read in the same request.
-_ADD_AND_GET_TEXT = """
-local existed = redis.call('EXISTS', KEYS[1])
-local value = redis.call('INCRBY', KEYS[1], ARGV[1])
-if existed == 0 then redis.call('PUBLISH', KEYS[1], tostring(value)) end
-return {value, redis.call('GET', KEYS[2])}
 """
 
 # ARGV: 1 if a value is expected (else: the key must be absent), the expected value,
@@ -123,7 +116,6 @@ class _Script:
 
 
 _SET, _ADD, _COMPARE_SET = _Script(_SET_TEXT), _Script(_ADD_TEXT), _Script(_COMPARE_SET_TEXT)
-_ADD_AND_GET = _Script(_ADD_AND_GET_TEXT)
 
 
 @dataclass(frozen=True)
@@ -220,7 +212,7 @@ class RedisStore:
 
     def add_and_get(self, key: str, amount: int, other: str) -> tuple[int, bytes | None]:
         """``add`` and ``get`` in one script: one round trip."""
-        total, value = self._call(lambda: self._script(_ADD_AND_GET, [key, other], int(amount)))
+        total, value = self._call(lambda: self._script(_ADD, [key, other], int(amount)))
         return int(total), None if value is None else bytes(value)
 
     def get(self, key: str) -> bytes | None:
