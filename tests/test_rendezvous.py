@@ -28,7 +28,7 @@ from launch import (
     worker,
 )
 from rallypoint.rendezvous.memory import MemoryStore
-from rallypoint.rendezvous.protocol import RetryingStore
+from rallypoint.rendezvous.retrying import RetryingStore
 from rallypoint.rendezvous.store import StoreError, StoreUnavailable
 from rallypoint.rendezvous.tcpstore import TCPStoreClient
 from servers import free_port

@@ -38,12 +38,8 @@ import pytest
 from rallypoint.builtins.rank_assigners import ordered
 from rallypoint.extensions import NodeSpec, RankAssigner
 from rallypoint.rendezvous.handler import Assignment
-from rallypoint.rendezvous.protocol import (
-    RendezvousTimeout,
-    RetryingStore,
-    Settings,
-    StoreRendezvous,
-)
+from rallypoint.rendezvous.protocol import RendezvousTimeout, Settings, StoreRendezvous
+from rallypoint.rendezvous.retrying import RetryingStore
 from rallypoint.rendezvous.store import CoordinationStore, StoreError
 
 Connect = Callable[[], CoordinationStore]
@@ -260,8 +256,6 @@ class StoreConformance:
             outage: Outage = request.getfixturevalue("outage")
         except pytest.FixtureLookupError:
             pytest.skip("this backend's tests give no `outage` fixture (its server cannot pause)")
-        from rallypoint.rendezvous.protocol import RetryingStore
-
         store = RetryingStore(connect(), retry_timeout=30)
         try:
             store.set(prefix + "before", b"1")

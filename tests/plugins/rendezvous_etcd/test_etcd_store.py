@@ -15,7 +15,7 @@ import pytest
 from etcd_servers import PASSWORD, USER, Restartable
 from pyetcd import etcdrpc
 
-from rallypoint.rendezvous.protocol import RetryingStore
+from rallypoint.rendezvous.retrying import RetryingStore
 from rallypoint.rendezvous.store import StoreError, StoreUnavailable
 from rallypoint.testing.store_conformance import Connect, StoreConformance
 from rallypoint_etcd.store import EtcdConfig, EtcdStore, _lease_id, parse_endpoints
