@@ -404,9 +404,11 @@ def render(results: dict[str, Any], sizes: Sequence[int]) -> str:
         "machine's CPU, shared by all N simulated nodes and the server, rather than by waiting."
         " Per node: the nodes' CPU divided by N. About half of its growth from 256 to 1024 "
         "nodes is each node decoding an N-member record (below; under load it takes 1.5 to 2 "
-        "times as long as alone). The rest has no single cause found; the threads per "
-        "interpreter are not it: the same N over 4, 16 or 64 worker processes took the same "
-        "time within the runs' spread.",
+        "times as long as alone). Most of the rest is the kernel's: the worker processes' "
+        "system CPU per node roughly doubles, with more context switches and page faults "
+        "(each simulated node holds its own N-member record, so the harness's memory grows "
+        "as N squared, where a real node holds one). The threads per interpreter are not "
+        "it: the same N over 4, 16 or 64 worker processes took about as long, or longer.",
     ]
     lines += [
         "",
