@@ -281,6 +281,62 @@ def switch_interval(results: dict[str, Any]) -> list[str]:
     ]
 
 
+def growth_beyond_linear(results: dict[str, Any], sizes: Sequence[int]) -> list[str]:
+    """Why a store whose time grew faster than N between the two largest sizes did so, and
+    why that is accepted; nothing when every required growth was at most linear."""
+    grew = [
+        name
+        for name, check in results["verdicts"].items()
+        if TARGETS[name].linear and check["slopes"] and not check["at_most_linear"]
+    ]
+    if not grew or len(sizes) < 2:
+        return []
+    small, large = sizes[-2], sizes[-1]
+    records = [results["table"][name].get(str(n)) for name in grew for n in (small, large)]
+    if any(
+        r is None or r["status"] != "ok" or r["samples"][0].get("nodes_cpu") is None
+        for r in records
+    ):
+        return []
+    decode = results["decode"]
+    per_node = ", ".join(
+        f"{LABELS[name]} {cpu_cell(results['table'][name][str(small)], 'nodes_cpu', small)} ms "
+        f"at {small} and {cpu_cell(results['table'][name][str(large)], 'nodes_cpu', large)} ms "
+        f"at {large}"
+        for name in grew
+    )
+    record_bytes = decode[str(large)]["bytes"]
+    return [
+        "",
+        "### Growth beyond linear",
+        "",
+        f"From {small} to {large} nodes ({large / small:g} times as many) the round here "
+        "took more than as many times as long. It is bound by this machine's CPU (above), "
+        "so it takes about the CPU of all N simulated nodes over the machine's CPUs, which "
+        f"grows as N times the CPU per node; and that grows with N ({per_node}). About half "
+        "of that growth is each node decoding the N-member round record "
+        f"({decode[str(small)]['seconds'] * 1e3:.2f} ms alone at {small}, "
+        f"{decode[str(large)]['seconds'] * 1e3:.2f} ms at {large}; under load 1.5 to 2 times "
+        "as long). Most of the rest is the kernel's: the worker processes' system CPU per "
+        "node roughly doubles, with more context switches and page faults, as this one "
+        "machine runs N nodes at once, with their N records in its memory where a real node "
+        "holds one (measured with per-thread CPU timing on 2026-11-30). It is not the "
+        "threads per interpreter: the same N over 4, 16 or 64 worker processes took about "
+        "as long, or longer. The store's side is linear in operations (a constant number "
+        "per node, above), and it sends the record to every node: "
+        f"{record_bytes * large / 2**20:.0f} MiB in all at {large} nodes.",
+        "",
+        "On a cluster every node decodes its own copy on its own CPU, at the same time as "
+        "the others, so what grows as N squared here is, per node, a fraction of a "
+        "millisecond. This is accepted rather than designed away: every node gets the "
+        "members of its round, in order, because the agent needs them: the "
+        "`rendezvous_completed` and `workers_started` events carry them, and after a failure "
+        "the next round's members tell whether a node of the failed round was lost (then "
+        "the restart does not count against `--max-restarts`). Sending each node only its "
+        "own ranks would move the decoding to every node that needs the list, not remove it.",
+    ]
+
+
 def render(results: dict[str, Any], sizes: Sequence[int]) -> str:
     tables: dict[str, dict[str, Any]] = results["table"]
     names = list(tables)
@@ -350,9 +406,12 @@ def render(results: dict[str, Any], sizes: Sequence[int]) -> str:
             if at is not None
             else f"no result at {TARGET_NODES} nodes"
         )
+        outcome = f"**{'met' if check['met'] else 'not met'}**"
+        if not check["met"] and check["under_target"] and not check["failed_sizes"]:
+            outcome += " on growth, accepted ([growth beyond linear](#growth-beyond-linear))"
         lines.append(
             f"- **{LABELS[name]}** (issue {target.issue}): {wanted}. Measured: {measured}; "
-            f"{growth}. Verdict: **{'met' if check['met'] else 'not met'}**."
+            f"{growth}. Verdict: {outcome}."
         )
 
     counted = results["counted"]
@@ -402,13 +461,7 @@ def render(results: dict[str, Any], sizes: Sequence[int]) -> str:
         f"process, which hosts the TCPStore). This machine has {results.get('cpus', '?')} "
         "CPUs: where the two add up to about CPUs x seconds, the round was bound by this "
         "machine's CPU, shared by all N simulated nodes and the server, rather than by waiting."
-        " Per node: the nodes' CPU divided by N. About half of its growth from 256 to 1024 "
-        "nodes is each node decoding an N-member record (below; under load it takes 1.5 to 2 "
-        "times as long as alone). Most of the rest is the kernel's: the worker processes' "
-        "system CPU per node roughly doubles, with more context switches and page faults "
-        "(each simulated node holds its own N-member record, so the harness's memory grows "
-        "as N squared, where a real node holds one). The threads per interpreter are not "
-        "it: the same N over 4, 16 or 64 worker processes took about as long, or longer.",
+        " Per node: the nodes' CPU divided by N.",
     ]
     lines += [
         "",
@@ -424,6 +477,7 @@ def render(results: dict[str, Any], sizes: Sequence[int]) -> str:
             f"| {n} | {decode['bytes'] / 1024:.0f} KiB | {decode['seconds'] * 1e3:.2f} ms | "
             f"{decode['seconds'] * n:.2f} s |"
         )
+    lines += growth_beyond_linear(results, sizes)
     conf = results.get("rdzv_conf") or {}
     lines += ["", "## Method", "", *method(results)]
     lines += [
