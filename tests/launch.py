@@ -149,6 +149,22 @@ def assert_no_worker_left(tag: str) -> None:
     assert leftovers.stdout.strip() == "", f"orphan workers: {leftovers.stdout.split()}"
 
 
+def wait_gone(pids: list[int], timeout: float = 30) -> None:
+    """Until none of ``pids`` runs (a zombie left for init to reap has ended)."""
+    deadline = time.monotonic() + timeout
+    while running := [pid for pid in pids if _running(pid)]:
+        assert time.monotonic() < deadline, f"processes {running} outlived their agent"
+        time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in status
+
+
 def pip_install_target(sources: list[Path], site: Path) -> None:
     """``pip install`` the distributions at ``sources`` into ``site``, offline."""
     subprocess.run(

@@ -174,22 +174,6 @@ def assert_no_restart_used(node: Node) -> None:
     assert restarts and set(restarts) == {("membership", 0)}, restarts
 
 
-def wait_gone(pids: list[int], timeout: float = 30) -> None:
-    """Until none of ``pids`` runs (a zombie left for init to reap has ended)."""
-    deadline = time.monotonic() + timeout
-    while running := [pid for pid in pids if _running(pid)]:
-        assert time.monotonic() < deadline, f"processes {running} outlived their agent"
-        time.sleep(0.05)
-
-
-def _running(pid: int) -> bool:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    return "\nState:\tZ" not in status
-
-
 def _listening_inodes(port: int) -> set[str]:
     """The inodes of the sockets listening on ``port`` (state 0A in /proc/net/tcp*)."""
     inodes = set()

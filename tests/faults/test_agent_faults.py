@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
-from elastic_job import ElasticJob, Node, assert_no_restart_used, wait_gone
+from elastic_job import ElasticJob, Node, assert_no_restart_used
 from fault_setups import Backend, Recovery
 
-from launch import exit_codes, wait_for_text
+from launch import exit_codes, wait_for_text, wait_gone
 
 #: One epoch of 64 samples in batches of 2: 16 steps of 0.1 s on one node (world size 2), 8
 #: on two; the last waits for the test's ``release()``.

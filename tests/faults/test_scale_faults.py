@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
-from elastic_job import ElasticJob, Node, assert_no_restart_used, wait_gone
+from elastic_job import ElasticJob, Node, assert_no_restart_used
 from fault_setups import Backend, Recovery
 
-from launch import exit_codes
+from launch import exit_codes, wait_gone
 
 #: The changes, in order: (what, which node).
 PLAN = [
