@@ -72,12 +72,7 @@ $(EXAMPLES_STAMP): $(STAMP)
 # Two workers train on the digits; rank 1 crashes once at step 60 and the job resumes from
 # the checkpoint of step 50.
 demo: $(EXAMPLES_STAMP)
-	rm -rf $(DEMO_DIR)
-	$(VENV)/bin/rallypoint run --standalone --nproc-per-node 2 --max-restarts 2 \
-		--redirects 2 --log-dir $(DEMO_DIR)/logs --checkpoint-dir $(DEMO_DIR)/checkpoints \
-		--event-log $(DEMO_DIR)/events.jsonl \
-		examples/train_digits.py --crash-at 60
-	@echo "demo done: worker logs, the checkpoints and the event log are under $(DEMO_DIR)/"
+	$(PY) examples/elastic_demo.py --dir $(DEMO_DIR)
 
 # Side-by-side measurements against torchrun; write benchmarks/results/ and docs/benchmarks*.md.
 bench: install

@@ -47,6 +47,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--log-every", type=int, default=50, help="steps between loss lines")
     parser.add_argument("--crash-at", type=int, default=-1, help="rank 1 fails once at this step")
     parser.add_argument(
+        "--step-seconds",
+        type=float,
+        default=0.0,
+        help="make each step take at least this long, to follow a demo as it runs (default: "
+        "as fast as it goes)",
+    )
+    parser.add_argument(
         "--checkpoint-dir",
         default=os.environ.get(checkpoint.URL_ENV, ""),
         help="where to keep checkpoints (default: rallypoint run's --checkpoint-dir; "
@@ -136,6 +143,7 @@ def main() -> None:
     for epoch in range(sampler.epoch, args.epochs):
         sampler.set_epoch(epoch)  # keeps the position when resuming this very epoch
         for inputs, labels in loader:
+            step_began = time.monotonic()
             if rank == 1 and attempt == 0 and step == args.crash_at:
                 raise RuntimeError(f"simulated crash of rank 1 at step {step}")
             loss = nn.functional.cross_entropy(ddp(inputs), labels)
@@ -149,6 +157,7 @@ def main() -> None:
             if store is not None and step % args.save_every == 0:
                 # Rank 0 writes; the tensors are copied now and written in the background.
                 store.save(training_state(model, optimizer, sampler), step, asynchronous=True)
+            time.sleep(max(0.0, args.step_seconds - (time.monotonic() - step_began)))
     if store is not None:
         if step != loaded_step and step % args.save_every != 0:
             # The end is a checkpoint too: a later run with more --epochs goes on from here.

@@ -1,19 +1,24 @@
 """The examples run as documented: examples/train_digits.py survives a crash, resumes from its
-checkpoint and learns the digits."""
+checkpoint and learns the digits; examples/elastic_demo.py (``make demo``) grows from one
+node to two and goes on after one dies."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from launch import rallypoint
+from launch import clean_environment, rallypoint, wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN_DIGITS = str(ROOT / "examples" / "train_digits.py")
+ELASTIC_DEMO = str(ROOT / "examples" / "elastic_demo.py")
 
 
 def require_scikit_learn() -> None:
@@ -56,3 +61,45 @@ def test_train_digits_resumes_after_a_crash_and_learns(tmp_path: Path) -> None:
     accuracy = re.search(r"held-out accuracy ([\d.]+)%", output)
     assert accuracy is not None, output
     assert float(accuracy.group(1)) > 85.0, output
+
+
+def test_the_demo_scales_up_and_goes_on_without_a_killed_node(tmp_path: Path) -> None:
+    require_scikit_learn()
+    demo = tmp_path / "demo"
+    result = subprocess.run(
+        [sys.executable, ELASTIC_DEMO, "--dir", str(demo)],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=clean_environment(),
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    node_a = [json.loads(line) for line in (demo / "events-a.jsonl").read_text().splitlines()]
+    rounds = [e["world_size"] for e in node_a if e["event"] == "rendezvous_completed"]
+    assert rounds == [2, 4, 2], output
+    # Neither the arrival nor the loss of node b used up a restart.
+    restarts = {
+        (e["cause"], e["restart_count"]) for e in node_a if e["event"] == "workers_restarted"
+    }
+    assert restarts == {("membership", 0)}, output
+    # Each round went on from the newest checkpoint: at world size 4, then at 2 again.
+    assert re.search(
+        r"node a \| .*resuming from the checkpoint of step \d+ \(saved at world size 2, now 4\)",
+        output,
+    ), output
+    assert re.search(
+        r"node a \| .*resuming from the checkpoint of step \d+ \(saved at world size 4, now 2\)",
+        output,
+    ), output
+    assert re.search(r"held-out accuracy ([\d.]+)%", output), output
+    # Node b was SIGKILLed: its workers died with it, and node a's are gone too.
+    pids = [
+        pid
+        for log in ("events-a.jsonl", "events-b.jsonl")
+        for line in (demo / log).read_text().splitlines()
+        if (event := json.loads(line))["event"] == "workers_started"
+        for pid in event["pids"]
+    ]
+    assert len(pids) == 8, pids  # a: 3 rounds x 2 workers; b: 1 round x 2
+    wait_gone(pids, timeout=10)
