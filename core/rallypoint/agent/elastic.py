@@ -229,11 +229,15 @@ class Agent:
                 self._report(report, decision.reason)
                 return EXIT_WORKER_FAILURE, f"{root}; {decision.reason}"
             logger.info(
-                "%s; restart %d of %d%s",
+                "%s; restart %d of %d%s%s",
                 root,
                 restarts + 1,
                 config.max_restarts,
                 f" in {decision.delay:.1f} s" if decision.delay else "",
+                # A peer's death fails our workers too; only the next round tells which.
+                ", unless a node of this round was lost (the next round tells)"
+                if info.group_world_size > 1
+                else "",
             )
             if self._sleep(decision.delay):
                 return self._stop_on_signal(group)
