@@ -54,7 +54,8 @@ OPTIONS: tuple[ConfigOption, ...] = (
 def connect(request: RendezvousRequest) -> CoordinationStore:
     """A client of the etcd cluster at ``request.endpoint``, checked within connect_timeout."""
     from rallypoint.rendezvous.protocol import DEFAULT_PREFIX
-    from rallypoint_etcd.store import EtcdConfig, EtcdStore, parse_endpoints
+    from rallypoint_etcd.config import EtcdConfig, parse_endpoints
+    from rallypoint_etcd.store import EtcdStore
 
     options = request.options
     try:

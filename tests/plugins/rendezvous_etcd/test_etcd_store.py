@@ -18,7 +18,8 @@ from pyetcd import etcdrpc
 from rallypoint.rendezvous.retrying import RetryingStore
 from rallypoint.rendezvous.store import StoreError, StoreUnavailable
 from rallypoint.testing.store_conformance import Connect, StoreConformance
-from rallypoint_etcd.store import EtcdConfig, EtcdStore, _lease_id, parse_endpoints
+from rallypoint_etcd.config import EtcdConfig, parse_endpoints
+from rallypoint_etcd.store import EtcdStore, _lease_id
 from servers import EtcdServer
 
 
