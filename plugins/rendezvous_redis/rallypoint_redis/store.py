@@ -25,53 +25,37 @@ How the store's operations map to Redis:
 redis-py's own retries are off: an unreachable server is ``StoreUnavailable`` at once,
 and the rendezvous protocol retries with its backoff for ``retry_timeout``. Nothing from
 redis-py escapes; every error says which server and what to do.
+
+Where the server is and how to reach it is ``target.py``; redis-py's errors as sentences,
+``errors.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import inspect
 import logging
-import os
 import re
-import ssl
 import time
-import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
-from rallypoint.errors import UsageError
 from rallypoint.extensions import RendezvousRequest
-from rallypoint.redact import redact_endpoint
-from rallypoint.rendezvous.handlers import parse_endpoint
 from rallypoint.rendezvous.store import StoreError, StoreUnavailable
+from rallypoint_redis.errors import translate
+from rallypoint_redis.target import Target, check_key_ttl, target_for
 
 logger = logging.getLogger("rallypoint.redis")
 
 T = TypeVar("T")
 
-DEFAULT_PORT = 6379
-DEFAULT_SENTINEL_PORT = 26379
-#: The least time to wait for a reply (``connect_timeout`` bounds connecting only).
-READ_TIMEOUT_FLOOR = 10.0
 #: While a wait is idle this long, PING the subscription: a connection to a server that
 #: vanished without closing it (a host gone, a partition) must not hold a wait for its
 #: whole timeout.
 SUBSCRIPTION_CHECK = 5.0
-
-# No CLIENT SETINFO on connect: two round trips fewer for every new connection
-# (redis-py >= 7 takes driver_info=None; older ones lib_name and lib_version).
-_NO_CLIENT_SETINFO: dict[str, Any] = (
-    {"driver_info": None}
-    if "driver_info" in inspect.signature(redis.Redis.__init__).parameters
-    else {"lib_name": None, "lib_version": None}
-)
 
 # KEYS[1]: the key, which is also the channel its waiters subscribe to.
 _SET_TEXT = """
@@ -116,18 +100,6 @@ class _Script:
 
 
 _SET, _ADD, _COMPARE_SET = _Script(_SET_TEXT), _Script(_ADD_TEXT), _Script(_COMPARE_SET_TEXT)
-
-
-@dataclass(frozen=True)
-class Target:
-    """How to reach one Redis deployment; ``client()`` opens a new connection pool."""
-
-    describe: str  # "Redis at 127.0.0.1:6379", for messages
-    client: Callable[[], Any]  # a redis.Redis; redis-py's own annotations are partial
-    socket_timeout: float
-    user: str | None = None
-    tls: bool = False
-    options: dict[str, Any] = field(default_factory=dict)
 
 
 class RedisStore:
@@ -461,219 +433,6 @@ def _kind(reply: Any) -> bytes:
 
 def _text(value: Any) -> str:
     return bytes(value).decode("utf-8", "replace")
-
-
-# --- errors -------------------------------------------------------------------------------
-
-
-def translate(error: redis.RedisError, target: Target) -> StoreError:
-    """One sentence for ``error``: ``StoreUnavailable`` when retrying may help."""
-    where = target.describe
-    if isinstance(error, (redis.AuthenticationError, redis.AuthenticationWrongNumberOfArgsError)):
-        who = f"user {target.user!r}" if target.user else "the default user"
-        message = _first_line(error)
-        # redis-py drops the error code; name it, it is what the server's docs list.
-        code = "NOAUTH" if "required" in message.lower() else "WRONGPASS"
-        return StoreError(
-            f"{where} refused authentication for {who} ({code} {message}); give the "
-            "right username and password (--rdzv-conf username=..., password or "
-            "$REDIS_PASSWORD)"
-        )
-    tls = _tls_failure(error)
-    if tls is not None:
-        return StoreError(
-            f"TLS with {where} failed ({tls}); check ssl_ca_certs, ssl_certfile and "
-            "ssl_keyfile, or use a redis:// endpoint if the server does not speak TLS"
-        )
-    if isinstance(error, redis.exceptions.NoPermissionError):
-        return StoreError(
-            f"{where}: the ACL user may not do this ({_first_line(error)}); it needs the "
-            "rendezvous prefix's keys and channels (~PREFIX* &PREFIX*) and the commands "
-            "+@read +@write +@scripting +@pubsub +ping"
-        )
-    message = _first_line(error)
-    if isinstance(error, (redis.ConnectionError, redis.TimeoutError)) or message.startswith(
-        ("READONLY", "MASTERDOWN", "LOADING", "TRYAGAIN")
-    ):
-        return StoreUnavailable(f"cannot reach {where} ({message})")
-    if isinstance(error, redis.exceptions.OutOfMemoryError):
-        return StoreError(
-            f"{where} is out of memory (maxmemory) and refuses writes; free memory or raise "
-            "its maxmemory"
-        )
-    return StoreError(f"{where} failed: {message}")
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip() or type(error).__name__
-    return text.splitlines()[0].rstrip(".")
-
-
-def _tls_failure(error: BaseException) -> str | None:
-    seen: BaseException | None = error
-    for _ in range(5):
-        if seen is None:
-            return None
-        if isinstance(seen, ssl.SSLError):
-            reason = getattr(seen, "reason", None) or _first_line(seen)
-            detail = getattr(seen, "verify_message", None)
-            return f"{reason}: {detail}" if detail else str(reason)
-        seen = seen.__cause__ or seen.__context__
-    return None
-
-
-# --- connecting ---------------------------------------------------------------------------
-
-
-def target_for(request: RendezvousRequest) -> Target:
-    """Parse ``--rdzv-endpoint`` and the ``--rdzv-conf`` options into a ``Target``.
-
-    Endpoints: ``host[:port]``, ``redis://[user[:password]@]host[:port][/db]``,
-    ``rediss://...`` (TLS) and ``sentinel://host[:port][,host[:port]...][/db]`` (with the
-    ``sentinel_master`` option). ``--rdzv-conf`` values override what the URL says.
-    """
-    options = dict(request.options)
-    endpoint = request.endpoint.strip()
-    if not endpoint:
-        raise UsageError("--rdzv-backend redis: give --rdzv-endpoint host:port or a redis:// URL.")
-    shown = redact_endpoint(endpoint)  # what messages show: never the URL's password
-    scheme, _, rest = endpoint.partition("://") if "://" in endpoint else ("", "", endpoint)
-    scheme = scheme.lower()
-    if scheme not in ("", "redis", "rediss", "sentinel"):
-        raise UsageError(
-            f"--rdzv-endpoint {shown!r}: unsupported scheme {scheme!r}; use host:port, "
-            "redis://, rediss:// or sentinel://."
-        )
-    if not scheme and "@" in rest:
-        raise UsageError(
-            f"--rdzv-endpoint {shown!r}: a user name or password needs a redis:// URL "
-            "(user:password@ after redis://), or --rdzv-conf username and password keys."
-        )
-    url_user = url_password = None
-    url_db: int | None = None
-    if scheme:
-        try:
-            parsed = urllib.parse.urlsplit(endpoint)
-        except ValueError as error:  # "Invalid IPv6 URL", say
-            raise UsageError(f"--rdzv-endpoint {shown!r}: {error}.") from None
-        if parsed.query or parsed.fragment:
-            raise UsageError(
-                f"--rdzv-endpoint {shown!r}: give settings with --rdzv-conf, not in the URL."
-            )
-        url_user = urllib.parse.unquote(parsed.username) if parsed.username else None
-        url_password = urllib.parse.unquote(parsed.password) if parsed.password else None
-        db_text = parsed.path.strip("/")
-        if db_text:
-            if not (db_text.isascii() and db_text.isdigit()):
-                raise UsageError(f"--rdzv-endpoint {shown!r}: the path must be a database number.")
-            url_db = int(db_text)
-        rest = parsed.netloc.rpartition("@")[2]
-    username = options.get("username") or url_user
-    password = options.get("password") or url_password or os.environ.get("REDIS_PASSWORD")
-    db = url_db if url_db is not None and not options.get("db") else int(options.get("db") or 0)
-    timeout = float(options.get("connect_timeout") or 5.0)
-    # Replies get longer than connects: a reply that times out leaves the command's fate
-    # unknown (a paused server runs it when it resumes), so a retried add would count twice.
-    read_timeout = max(timeout, READ_TIMEOUT_FLOOR)
-    tls_files = {
-        "ssl_ca_certs": options.get("ssl_ca_certs"),
-        "ssl_certfile": options.get("ssl_certfile"),
-        "ssl_keyfile": options.get("ssl_keyfile"),
-    }
-    for name, path in tls_files.items():
-        if path and not os.path.isfile(path):
-            # A private key's path stays private.
-            shown = "" if name == "ssl_keyfile" else f"={path}"
-            raise UsageError(f"--rdzv-conf {name}{shown}: no such file.")
-    tls = scheme == "rediss" or any(tls_files.values())
-    connection: dict[str, Any] = {
-        "username": username,
-        "password": password,
-        "db": db,
-        "socket_connect_timeout": timeout,
-        "socket_timeout": read_timeout,
-        "socket_keepalive": True,
-        "retry": Retry(NoBackoff(), 0),  # the protocol retries, with its own backoff
-        "protocol": 2,
-        **_NO_CLIENT_SETINFO,
-    }
-    if tls:
-        connection["ssl"] = True
-        connection.update({name: path for name, path in tls_files.items() if path})
-    if scheme == "sentinel":
-        return _sentinel_target(rest, endpoint, options, connection, timeout, tls)
-    host, port = parse_endpoint(rest, DEFAULT_PORT)
-    if not host:
-        raise UsageError(f"--rdzv-endpoint {shown!r}: expected host:port.")
-    describe = f"Redis at {host}:{port}" + (f" (db {db})" if db else "")
-    return Target(
-        describe,
-        lambda: redis.Redis(host=host, port=port, **connection),
-        read_timeout,
-        user=username,
-        tls=tls,
-        options=options,
-    )
-
-
-def _sentinel_target(
-    hosts: str,
-    endpoint: str,
-    options: dict[str, Any],
-    connection: dict[str, Any],
-    timeout: float,
-    tls: bool,
-) -> Target:
-    from redis.sentinel import Sentinel
-
-    master = options.get("sentinel_master")
-    if not master:
-        raise UsageError(
-            f"--rdzv-endpoint {redact_endpoint(endpoint)!r}: name the master the sentinels "
-            "watch with --rdzv-conf sentinel_master=NAME."
-        )
-    sentinels = [parse_endpoint(item, DEFAULT_SENTINEL_PORT) for item in hosts.split(",") if item]
-    if not sentinels or not all(host for host, _ in sentinels):
-        raise UsageError(
-            f"--rdzv-endpoint {redact_endpoint(endpoint)!r}: expected sentinel://host:port[,...]."
-        )
-    sentinel_settings = {
-        "socket_connect_timeout": timeout,
-        "socket_timeout": timeout,
-        "retry": Retry(NoBackoff(), 0),
-        "protocol": 2,
-    }
-    if tls:
-        sentinel_settings.update({k: v for k, v in connection.items() if k.startswith("ssl")})
-
-    def client() -> Any:
-        manager = Sentinel(sentinels, sentinel_kwargs=sentinel_settings, **connection)  # type: ignore[no-untyped-call]
-        return manager.master_for(str(master))  # type: ignore[no-untyped-call]
-
-    listed = ",".join(f"{host}:{port}" for host, port in sentinels)
-    return Target(
-        f"Redis master {master!r} (sentinels {listed})",
-        client,
-        float(connection["socket_timeout"]),
-        user=connection.get("username"),
-        tls=tls,
-        options=options,
-    )
-
-
-def check_key_ttl(options: dict[str, Any]) -> float:
-    """``key_ttl``, refused when live agents would look dead: each refreshes its key every
-    ``heartbeat_timeout / 3``, so the key must outlive two refreshes."""
-    key_ttl = float(options.get("key_ttl") or 10.0)
-    heartbeat = float(options.get("heartbeat_timeout") or 15.0)
-    if key_ttl < 2 * heartbeat / 3:
-        raise UsageError(
-            f"--rdzv-conf key_ttl={key_ttl:g} is shorter than two key refreshes "
-            f"(agents refresh every heartbeat_timeout/3 = {heartbeat / 3:g} s): live agents "
-            f"would look dead; set key_ttl of at least {2 * heartbeat / 3:g} or lower "
-            "heartbeat_timeout."
-        )
-    return key_ttl
 
 
 def connect_store(request: RendezvousRequest) -> RedisStore:
