@@ -40,7 +40,7 @@ NODES = ("a", "b")
 
 
 class DemoFailed(Exception):
-    """A step of the demo did not happen in time."""
+    """The demo cannot go on; the message says why (a step that did not come in time, say)."""
 
 
 class Node:
