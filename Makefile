@@ -69,8 +69,8 @@ $(EXAMPLES_STAMP): $(STAMP)
 	$(PIP) install -q -e '.[examples]'
 	touch $@
 
-# Two workers train on the digits; rank 1 crashes once at step 60 and the job resumes from
-# the checkpoint of step 50.
+# Two nodes on this machine (c10d): node a trains alone, node b joins (world size 4), node b
+# is SIGKILLed and node a finishes alone; each round resumes from the newest checkpoint.
 demo: $(EXAMPLES_STAMP)
 	$(PY) examples/elastic_demo.py --dir $(DEMO_DIR)
 

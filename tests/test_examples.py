@@ -5,7 +5,6 @@ node to two and goes on after one dies."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
 import subprocess
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import clean_environment, rallypoint, wait_gone
+from launch import clean_environment, events, rallypoint, wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN_DIGITS = str(ROOT / "examples" / "train_digits.py")
@@ -75,13 +74,11 @@ def test_the_demo_scales_up_and_goes_on_without_a_killed_node(tmp_path: Path) ->
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
-    node_a = [json.loads(line) for line in (demo / "events-a.jsonl").read_text().splitlines()]
-    rounds = [e["world_size"] for e in node_a if e["event"] == "rendezvous_completed"]
+    node_a, node_b = demo / "events-a.jsonl", demo / "events-b.jsonl"
+    rounds = [e["world_size"] for e in events(node_a, "rendezvous_completed")]
     assert rounds == [2, 4, 2], output
     # Neither the arrival nor the loss of node b used up a restart.
-    restarts = {
-        (e["cause"], e["restart_count"]) for e in node_a if e["event"] == "workers_restarted"
-    }
+    restarts = {(e["cause"], e["restart_count"]) for e in events(node_a, "workers_restarted")}
     assert restarts == {("membership", 0)}, output
     # Each round went on from the newest checkpoint: at world size 4, then at 2 again.
     assert re.search(
@@ -95,11 +92,7 @@ def test_the_demo_scales_up_and_goes_on_without_a_killed_node(tmp_path: Path) ->
     assert re.search(r"held-out accuracy ([\d.]+)%", output), output
     # Node b was SIGKILLed: its workers died with it, and node a's are gone too.
     pids = [
-        pid
-        for log in ("events-a.jsonl", "events-b.jsonl")
-        for line in (demo / log).read_text().splitlines()
-        if (event := json.loads(line))["event"] == "workers_started"
-        for pid in event["pids"]
+        pid for log in (node_a, node_b) for e in events(log, "workers_started") for pid in e["pids"]
     ]
     assert len(pids) == 8, pids  # a: 3 rounds x 2 workers; b: 1 round x 2
     wait_gone(pids, timeout=10)
