@@ -125,7 +125,7 @@ def rallypoint_command() -> str:
 def node_command(name: str, directory: Path, port: int) -> list[str]:
     return [
         rallypoint_command(), "run",
-        "--nnodes", "1:2", "--nproc-per-node", "2", "--max-restarts", "2",
+        "--nnodes", "1:2", "--nproc-per-node", "2",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
         "--rdzv-id", "digits-demo",
         "--rdzv-conf", f"last_call_timeout=1,heartbeat_timeout={HEARTBEAT_TIMEOUT}",

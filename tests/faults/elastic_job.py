@@ -91,7 +91,8 @@ class ElasticJob:
         epochs: int = 1,
         nproc: int = 2,
         shutdown_timeout: float = 10,
-        max_restarts: int = 3,
+        max_restarts: int | None = 3,
+        options: tuple[str, ...] = (),
     ) -> None:
         self.backend = backend
         self.tmp_path = tmp_path
@@ -101,6 +102,7 @@ class ElasticJob:
         self.nproc = nproc
         self.shutdown_timeout = shutdown_timeout
         self.max_restarts = max_restarts
+        self.options = options  # more agent options (before the script)
         self.out = tmp_path / "seen.json"  # in every worker's command line: the test's tag
         self.hold = tmp_path / "hold"
         self.hold.touch()  # the job does not end before the test calls release()
@@ -112,7 +114,7 @@ class ElasticJob:
         process = self.backend.start_agent(
             "job", self.nnodes,
             "--checkpoint-dir", str(self.tmp_path / "checkpoints"),
-            "--shutdown-timeout", f"{self.shutdown_timeout:g}",
+            "--shutdown-timeout", f"{self.shutdown_timeout:g}", *self.options,
             worker("elastic_train.py"), str(self.out),
             "--size", str(self.size), "--batch-size", str(self.batch),
             "--epochs", str(self.epochs), "--step-seconds", f"{self.step_seconds:g}",

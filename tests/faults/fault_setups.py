@@ -60,16 +60,16 @@ class Backend:
         log: Path,
         nproc: int = 2,
         endpoint: str | None = None,
-        max_restarts: int = 3,
+        max_restarts: int | None = 3,
     ) -> subprocess.Popen[str]:
         """``rallypoint run`` of one node, writing its events to ``log`` with ``.jsonl``;
         ``args`` are more options, then the script. ``endpoint`` overrides the store's (a
-        proxy in front of it). A c10d job's first agent hosts the store: this returns once
-        it listens."""
+        proxy in front of it); ``max_restarts=None`` leaves the flag at its default. A c10d
+        job's first agent hosts the store: this returns once it listens."""
         hosting = self.name == "c10d" and not _listening(self.store_port)
+        restarts = () if max_restarts is None else ("--max-restarts", str(max_restarts))
         agent = launch.start_rallypoint(
-            "run", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
-            "--max-restarts", str(max_restarts),
+            "run", "--nnodes", nnodes, "--nproc-per-node", str(nproc), *restarts,
             "--rdzv-backend", self.name, "--rdzv-endpoint", endpoint or self.endpoint,
             "--rdzv-id", run_id, "--rdzv-conf", self.conf,
             "--event-log", str(log.with_suffix(".jsonl")), *args, log=log,

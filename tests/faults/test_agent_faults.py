@@ -6,6 +6,9 @@ every step).
 On c10d one agent hosts the store and losing it ends the job (a documented limit, tested in
 tests/test_rendezvous.py): there the fault hits the other agent. On etcd and Redis, whose
 store is a server of its own, it hits the node of group rank 0, whose host was the master.
+
+The agents run with the default ``--max-restarts`` (0): losing a node while MIN remain uses
+up no restart, so a job a user starts with the defaults survives it.
 """
 
 from __future__ import annotations
@@ -26,11 +29,14 @@ SIZE, BATCH, STEP_SECONDS = 64, 2, 0.1
 SHUTDOWN_TIMEOUT = 10
 
 
-def start_job(backend: Backend, tmp_path: Path) -> tuple[ElasticJob, Node, Node]:
-    """Two agents training together at world size 4: the job, the survivor, the victim."""
+def start_job(
+    backend: Backend, tmp_path: Path, options: tuple[str, ...] = ()
+) -> tuple[ElasticJob, Node, Node]:
+    """Two agents training together at world size 4, with the default --max-restarts and
+    ``options``: the job, the survivor, the victim."""
     job = ElasticJob(
         backend, tmp_path, nnodes="1:2", size=SIZE, batch=BATCH, step_seconds=STEP_SECONDS,
-        shutdown_timeout=SHUTDOWN_TIMEOUT,
+        shutdown_timeout=SHUTDOWN_TIMEOUT, max_restarts=None, options=options,
     )  # fmt: skip
     try:
         nodes = job.start_together("a", "b")
@@ -48,13 +54,30 @@ def start_job(backend: Backend, tmp_path: Path) -> tuple[ElasticJob, Node, Node]
     return job, survivor, victim
 
 
-@pytest.mark.fault(
-    "Agent SIGKILL",
-    expected="its workers die with it; the other node re-forms a round without it (no "
-    "restart used) and the job finishes, every sample seen once",
+SURVIVED = (
+    "its workers die with it; the other node re-forms a round without it (no restart used) "
+    "and the job finishes, every sample seen once"
 )
-def test_agent_sigkill(backend: Backend, tmp_path: Path, recovery: Recovery) -> None:
-    job, survivor, victim = start_job(backend, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param((), marks=pytest.mark.fault("Agent SIGKILL", expected=SURVIVED), id="defaults"),
+        pytest.param(
+            ("--restart-policy", "never"),
+            marks=pytest.mark.fault(
+                "Agent SIGKILL, `--restart-policy never`",
+                expected=f"a node lost is not a failure the policy can refuse: {SURVIVED}",
+            ),
+            id="never",
+        ),
+    ],
+)
+def test_agent_sigkill(
+    backend: Backend, tmp_path: Path, recovery: Recovery, options: tuple[str, ...]
+) -> None:
+    job, survivor, victim = start_job(backend, tmp_path, options)
     try:
         orphans = victim.worker_pids()
         killed_at = time.time()

@@ -1,13 +1,17 @@
 """The agent's state machine.
 
     rendezvous -> start workers -> monitor --(all exited 0)--> exit barrier -> stop
-                       ^              |
-                       |              +--(a worker failed)--> restart policy --(give up)--> stop
-                       |              |                            |
-                       +--------------+--(restart, or a node joined or left)
+        ^  |                          |
+        |  +--(a failure, no node     +--(a worker failed)--> next round
+        |      lost: restart policy        |
+        |      --(give up)--> stop)        |
+        +-------------------------------+--+--(a node joined or left)
 
-A membership change restarts the workers without using up a restart; a failure asks the
-restart policy. Every transition is an event (see ``EventBus``).
+A membership change restarts the workers without using up a restart. A worker failure in a
+round of several nodes may be the loss of a node (its workers' death fails ours), so it is
+judged once the next round tells who is still there: a node lost is a membership change,
+whatever the restart policy says; only a failure with every node still there is put to the
+policy. Every transition is an event (see ``EventBus``).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import socket
 import tempfile
 import time
 import uuid
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -36,7 +40,7 @@ from rallypoint.agent.failures import FailureReport, build_report, describe_fail
 from rallypoint.agent.watchdog import Watchdog
 from rallypoint.agent.workers import Worker, WorkerGroup, output_rule
 from rallypoint.config import LaunchConfig
-from rallypoint.events import RunInfo
+from rallypoint.events import RoundInfo, RunInfo
 from rallypoint.extensions import EventSink, NodeSpec, RestartRequest, SinkContext
 from rallypoint.plugins import PluginManager
 from rallypoint.registry import METRICS_SINKS, RESTART_POLICIES
@@ -152,9 +156,9 @@ class Agent:
         attempt = 0  # every start of the workers, whatever the cause
         uptimes: list[float] = []
         nodes: int | None = None
-        # The members of the round whose workers failed, until the next round tells whether
-        # one of them was lost: then the failure was that loss, a membership change.
-        failed_round: tuple[str, ...] | None = None
+        # A failure of a multi-node round's workers, until the next round tells whether a
+        # node of it was lost (then it was that loss: a membership change, never refused).
+        pending: _Failure | None = None
         while True:
             self.bus.emit(events.RENDEZVOUS_STARTED, restart_count=restarts)
             began = time.monotonic()
@@ -181,12 +185,16 @@ class Agent:
                     events.SCALE_CHANGED, old_nodes=nodes, new_nodes=info.group_world_size
                 )
             nodes = info.group_world_size
-            if failed_round is not None:
-                cause = self._restart_cause(failed_round, info.members, restarts)
+            if pending is not None:
+                cause = "failure" if pending.decided else self._restart_cause(pending, info)
+                if cause == "failure" and not pending.decided:
+                    stop = self._ask_policy(pending, restarts, uptimes)
+                    if stop is not None:
+                        return stop
                 if cause == "failure":
                     restarts += 1
                 self.bus.emit(events.WORKERS_RESTARTED, restart_count=restarts, cause=cause)
-                failed_round = None
+                pending = None
 
             group = self._start_workers(assignment, restarts, attempt)
             attempt += 1
@@ -215,51 +223,68 @@ class Agent:
             report = self._handle_failure(group, restarts)
             if self.signalled is not None:
                 return self._stop_on_signal(group)
-            decision = self.policy.decide(
-                RestartRequest(
-                    restarts_done=restarts,
-                    max_restarts=config.max_restarts,
-                    failure=report.root,
-                    options=config.restart_conf,
-                    attempt_uptimes=tuple(uptimes),
+            pending = _Failure(report, info.members)
+            if info.group_world_size > 1:
+                # A peer's death fails our workers too (gloo's "Connection closed by
+                # peer"): whether it did is known from the next round, so the policy is
+                # asked only then, and only if no node of this round was lost.
+                logger.info(
+                    "%s; the next round tells whether a node of this round was lost "
+                    "before a restart is counted",
+                    _root(report),
                 )
-            )
-            root = f"rank {report.root.rank} {describe_failure(report.root)}"
-            if not decision.restart:
-                self._report(report, decision.reason)
-                return EXIT_WORKER_FAILURE, f"{root}; {decision.reason}"
-            logger.info(
-                "%s; restart %d of %d%s%s",
-                root,
-                restarts + 1,
-                config.max_restarts,
-                f" in {decision.delay:.1f} s" if decision.delay else "",
-                # A peer's death fails our workers too; only the next round tells which.
-                ", unless a node of this round was lost (the next round tells)"
-                if info.group_world_size > 1
-                else "",
-            )
-            if self._sleep(decision.delay):
-                return self._stop_on_signal(group)
+            else:
+                stop = self._ask_policy(pending, restarts, uptimes)
+                if stop is not None:
+                    return stop
+                pending.decided = True
             self.handler.request_new_round()  # every node restarts its workers with us
-            failed_round = info.members  # counted once the next round says why it failed
 
-    def _restart_cause(
-        self, failed: tuple[str, ...], members: tuple[str, ...], restarts: int
-    ) -> str:
-        """``"membership"`` when a node of the failed round is not in the next one: it died
-        or left, and its workers' loss is what failed ours (gloo's "Connection closed by
-        peer"); it does not use up a restart. Else ``"failure"``."""
-        present = set(members)  # a thousand members: a set, not a scan per node
-        lost = [node for node in failed if node not in present]
+    def _ask_policy(
+        self, failure: _Failure, restarts: int, uptimes: list[float]
+    ) -> tuple[int, str] | None:
+        """Ask the restart policy about a failure with no node lost; sleep the delay it
+        asks for. The agent's exit code and reason when it refuses (or a signal comes
+        during the delay), else None: restart."""
+        config = self.config
+        report = failure.report
+        decision = self.policy.decide(
+            RestartRequest(
+                restarts_done=restarts,
+                max_restarts=config.max_restarts,
+                failure=report.root,
+                options=config.restart_conf,
+                attempt_uptimes=tuple(uptimes),
+            )
+        )
+        root = _root(report)
+        if not decision.restart:
+            self._report(report, decision.reason)
+            return EXIT_WORKER_FAILURE, f"{root}; {decision.reason}"
+        logger.info(
+            "%s; restart %d of %d%s",
+            root,
+            restarts + 1,
+            config.max_restarts,
+            f" in {decision.delay:.1f} s" if decision.delay else "",
+        )
+        if self._sleep(decision.delay):
+            assert self.signalled is not None
+            return 128 + int(self.signalled), f"stopped by {self.signalled.name}"
+        return None
+
+    def _restart_cause(self, failure: _Failure, info: RoundInfo) -> str:
+        """``"membership"`` when a node of the failed round is not in this one: it died
+        or left, and its workers' loss is what failed ours; it does not use up a restart.
+        Else ``"failure"``."""
+        present = set(info.members)  # a thousand members: a set, not a scan per node
+        lost = [node for node in failure.members if node not in present]
         if not lost:
             return "failure"
         logger.info(
             "the failure followed the loss of node %s: a membership change, which does not "
-            "use up a restart (%d of %d used)",
+            "use up a restart",
             ", ".join(lost),
-            restarts,
-            self.config.max_restarts,
         )
         return "membership"
 
@@ -452,6 +477,22 @@ class Agent:
             select.select([self._wake_read], [], [], max(0.0, deadline - time.monotonic()))
             self._drain_wakeups()
         return self.signalled is not None
+
+
+@dataclass
+class _Failure:
+    """Workers that failed, and the members of their round.
+
+    ``decided``: the restart policy already allowed the restart (a one-node round, where
+    no peer can have been lost)."""
+
+    report: FailureReport
+    members: tuple[str, ...]
+    decided: bool = False
+
+
+def _root(report: FailureReport) -> str:
+    return f"rank {report.root.rank} {describe_failure(report.root)}"
 
 
 def _failed_at(worker: Worker, default: float) -> float:
