@@ -36,7 +36,13 @@ from typing import Any
 from rallypoint import events
 from rallypoint.agent.environment import WorkerSpec, worker_command, worker_environment
 from rallypoint.agent.eventbus import EventBus
-from rallypoint.agent.failures import FailureReport, build_report, describe_failure, failure_of
+from rallypoint.agent.failures import (
+    FailureReport,
+    build_report,
+    describe_failure,
+    failure_of,
+)
+from rallypoint.agent.keeper import Keeper
 from rallypoint.agent.watchdog import Watchdog
 from rallypoint.agent.workers import Worker, WorkerGroup, output_rule
 from rallypoint.config import LaunchConfig
@@ -97,6 +103,7 @@ class Agent:
             lambda name, data: self.bus.emit(name, **data),
             heartbeat=None if self.watchdog is None else self.watchdog.beat,
         )
+        self._kept: Keeper | None = None  # started with the first rendezvous: see _keeper
         self.signalled: signal.Signals | None = None
         self._interruptible = False  # in a rendezvous wait: a signal raises _Interrupted
         self._wake_read, self._wake_write = socket.socketpair()
@@ -130,6 +137,8 @@ class Agent:
         try:
             exit_code, reason = self._loop()
         finally:
+            if self._kept is not None:
+                self._kept.close()  # whatever the workers left running goes with it
             self.bus.emit(events.AGENT_STOPPING, exit_code=exit_code, reason=reason)
             self.handler.close()
             self._worker_events.close()
@@ -159,6 +168,7 @@ class Agent:
         # A failure of a multi-node round's workers, until the next round tells whether a
         # node of it was lost (then it was that loss: a membership change, never refused).
         pending: _Failure | None = None
+        self._keeper()  # its interpreter starts while the rendezvous runs
         while True:
             self.bus.emit(events.RENDEZVOUS_STARTED, restart_count=restarts)
             began = time.monotonic()
@@ -207,9 +217,9 @@ class Agent:
                 raise
 
             if outcome is Outcome.SUCCEEDED:
-                group.finish_output()
-                # Reaches processes the workers left behind in their sessions.
+                # Reaches processes the workers left behind, which may hold their output.
                 group.stop(signal.SIGTERM, config.shutdown_timeout)
+                group.finish_output()
                 self.handler.exit_barrier(config.exit_barrier_timeout)
                 return EXIT_SUCCESS, "all workers finished"
             if outcome is Outcome.SIGNALLED:
@@ -353,8 +363,25 @@ class Agent:
         if self.watchdog is not None:
             self.watchdog.watch(time.monotonic())
         return WorkerGroup.start(
-            worker_command(config), specs, environments, rules, log_dirs, config.role
+            self._keeper(),
+            worker_command(config),
+            specs,
+            environments,
+            rules,
+            log_dirs,
+            config.role,
         )
+
+    def _keeper(self) -> Keeper:
+        """The keeper that starts this node's workers (``rallypoint.agent.keeper``); a new
+        one if the last was killed (its workers died with it: a worker failure)."""
+        if self._kept is not None and self._kept.gone:
+            logger.warning("%s; starting a new one", self._kept.death())
+            self._kept.close()
+            self._kept = None
+        if self._kept is None:
+            self._kept = Keeper()
+        return self._kept
 
     def _monitor(self, group: WorkerGroup) -> Outcome:
         """Watch the workers until they all succeed, one fails, a node arrives or a signal."""

@@ -1,9 +1,10 @@
 """Worker processes: start them, route their output, notice when they end, stop them.
 
-Workers never outlive the agent: each is started with ``PR_SET_PDEATHSIG`` = SIGKILL (the
-kernel kills it if the agent dies, even by SIGKILL) and in a session of its own, so that
-stopping a worker reaches every process it started. Exits are noticed through pidfds the
-moment they happen, not by a polling sleep.
+Workers never outlive the agent, nor does anything they start: the agent's keeper
+(``rallypoint.agent.keeper``) forks them, each in a session of its own and with
+``PR_SET_PDEATHSIG``, and as a subreaper it kills every process they leave behind when a
+group stops and when the agent dies. Exits are reported by the keeper the moment they
+happen, not found by a polling sleep.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from pathlib import Path
 from typing import IO
 
 from rallypoint.agent.environment import WorkerSpec
-from rallypoint.lifetime import die_with_parent
+from rallypoint.agent.keeper import Keeper, KeeperGone, KeptProcess
+from rallypoint.errors import RallypointError
 
 logger = logging.getLogger("rallypoint.agent")
 
@@ -56,11 +58,9 @@ class Worker:
     """One running (or finished) worker process."""
 
     spec: WorkerSpec
-    process: subprocess.Popen[bytes]
+    process: KeptProcess
     started: float
-    pidfd: int | None = None
-    exited: float | None = None  # monotonic time of the exit, as precise as we can tell
-    exit_seen: float | None = None  # set by the watcher thread the moment the process exits
+    exited: float | None = None  # monotonic time of the exit, as the keeper saw it
     traceback_seen: float | None = None  # when it began printing a Python traceback
     # Set when the progress watchdog killed it: its last heartbeat (monotonic), and for how
     # long it had been silent then.
@@ -70,7 +70,6 @@ class Worker:
         default_factory=lambda: collections.deque(maxlen=_TAIL_LINES)
     )
     pumps: list[threading.Thread] = field(default_factory=list)
-    watcher: threading.Thread | None = None
 
     @property
     def pid(self) -> int:
@@ -99,45 +98,72 @@ _console = _Console()
 _TRACEBACK = b"Traceback (most recent call last)"
 
 
-def _pump(
-    source: IO[bytes],
-    prefix: bytes,
-    console: IO[bytes] | None,
-    file_path: Path | None,
-    worker: Worker | None,
-) -> None:
-    """Copy one worker stream line by line to the console (prefixed), a file and, for
-    stderr (``worker`` given), the worker's tail and the time its first traceback began."""
-    sink = open(file_path, "ab") if file_path else None  # noqa: SIM115 - closed below
-    tail = worker.stderr_tail if worker is not None else None
+@dataclass
+class _Stream:
+    """One worker stream as the agent reads it, and where its bytes go."""
+
+    source: int  # the read end: a pipe, or a pseudo-terminal's master
+    prefix: bytes
+    console: IO[bytes] | None
+    file_path: Path | None
+    worker: Worker | None  # given for stderr: its tail and traceback time are kept
+
+
+def _pump(stream: _Stream) -> None:
+    """Copy one worker stream to the console (prefixed), a file and, for stderr, the
+    worker's tail and the time its first traceback began."""
+    sink = open(stream.file_path, "ab") if stream.file_path else None  # noqa: SIM115
+    worker = stream.worker
+    pending = b""  # the line being read
     try:
-        for line in iter(source.readline, b""):
-            if worker is not None and worker.traceback_seen is None and _TRACEBACK in line:
-                worker.traceback_seen = time.monotonic()
-            if console is not None:
-                _console.write(console, prefix + line)
+        while chunk := _read(stream.source):
+            *lines, pending = (pending + chunk).split(b"\n")
+            if stream.console is not None:
+                for line in lines:
+                    _console.write(stream.console, stream.prefix + line + b"\n")
             if sink is not None:
-                sink.write(line)
+                sink.write(chunk)
                 sink.flush()
-            if tail is not None:
-                tail.append(line.decode("utf-8", "replace"))
+            if worker is not None:
+                for line in lines:
+                    _note_stderr(worker, line)
+        if pending:
+            if stream.console is not None:
+                _console.write(stream.console, stream.prefix + pending + b"\n")
+            if worker is not None:
+                _note_stderr(worker, pending)
     except (OSError, ValueError):
         pass  # the agent is going away; the worker dies with it
     finally:
-        source.close()
+        os.close(stream.source)
         if sink is not None:
             sink.close()
+
+
+def _read(fd: int) -> bytes:
+    try:
+        return os.read(fd, 65536)
+    except OSError:
+        return b""
+
+
+def _note_stderr(worker: Worker, line: bytes) -> None:
+    if worker.traceback_seen is None and _TRACEBACK in line:
+        worker.traceback_seen = time.monotonic()
+    worker.stderr_tail.append(line.decode("utf-8", "replace") + "\n")
 
 
 class WorkerGroup:
     """The workers of this node for one attempt."""
 
-    def __init__(self, workers: Sequence[Worker]) -> None:
+    def __init__(self, workers: Sequence[Worker], keeper: Keeper) -> None:
         self.workers = list(workers)
+        self.keeper = keeper
 
     @classmethod
     def start(
         cls,
+        keeper: Keeper,
         command: Sequence[str],
         specs: Sequence[WorkerSpec],
         environments: Sequence[dict[str, str]],
@@ -146,54 +172,65 @@ class WorkerGroup:
         role: str,
     ) -> WorkerGroup:
         """Start one process per spec, each with its environment and output rule."""
-        agent_pid = os.getpid()
-        workers: list[Worker] = []
+        group = cls([], keeper)
         try:
             for spec, env, rule, log_dir in zip(specs, environments, rules, log_dirs, strict=True):
                 Path(spec.error_file).parent.mkdir(parents=True, exist_ok=True)
                 if rule.files:
                     log_dir.mkdir(parents=True, exist_ok=True)
-                process = subprocess.Popen(
-                    list(command),
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    start_new_session=True,
-                    preexec_fn=lambda: die_with_parent(agent_pid),
-                )
-                worker = Worker(spec, process, time.monotonic())
-                worker.pidfd = _pidfd(process.pid)
-                if worker.pidfd is not None:
-                    # Exit times decide the root cause when workers die moments apart.
-                    worker.watcher = threading.Thread(
-                        target=_watch_exit, args=(worker,), daemon=True
-                    )
-                    worker.watcher.start()
-                prefix = f"[{role}{spec.local_rank}]:".encode()
-                for bit, pipe, console, name in (
-                    (_STDOUT, process.stdout, sys.stdout.buffer, "stdout.log"),
-                    (_STDERR, process.stderr, sys.stderr.buffer, "stderr.log"),
-                ):
-                    assert pipe is not None
-                    pump = threading.Thread(
-                        target=_pump,
-                        args=(
-                            pipe,
-                            prefix,
-                            console if rule.console & bit else None,
-                            log_dir / name if rule.files & bit else None,
-                            worker if bit == _STDERR else None,
-                        ),
-                        name=f"rallypoint-{name[:6]}-{spec.local_rank}",
-                        daemon=True,
-                    )
-                    pump.start()
-                    worker.pumps.append(pump)
-                workers.append(worker)
+                group.workers.append(group._start_one(command, spec, env, rule, log_dir, role))
         except BaseException:
-            WorkerGroup(workers).stop(signal.SIGKILL, 0)
+            group.stop(signal.SIGKILL, 0)
             raise
-        return cls(workers)
+        return group
+
+    def _start_one(
+        self,
+        command: Sequence[str],
+        spec: WorkerSpec,
+        env: dict[str, str],
+        rule: OutputRule,
+        log_dir: Path,
+        role: str,
+    ) -> Worker:
+        prefix = f"[{role}{spec.local_rank}]:".encode()
+        streams = []
+        ends: list[int] = []
+        try:
+            for bit, console, name in (
+                (_STDOUT, sys.stdout.buffer, "stdout.log"),
+                (_STDERR, sys.stderr.buffer, "stderr.log"),
+            ):
+                shown = console if rule.console & bit else None
+                read, write = os.pipe()
+                ends += [read, write]
+                streams.append((read, write, shown, log_dir / name if rule.files & bit else None))
+            try:
+                pid = self.keeper.spawn(command, env, streams[0][1], streams[1][1])
+            except OSError as error:
+                raise RallypointError(
+                    f"cannot start worker {spec.local_rank}: {command[0]!r}: {error.strerror}"
+                ) from None
+            except KeeperGone as gone:
+                raise RallypointError(str(gone)) from None
+        except BaseException:
+            for fd in ends:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            raise
+        worker = Worker(spec, KeptProcess(self.keeper, pid), time.monotonic())
+        for (read, write, shown, path), bit in zip(streams, (_STDOUT, _STDERR), strict=True):
+            os.close(write)  # the worker holds it now: its exit ends the stream
+            stream = _Stream(read, prefix, shown, path, worker if bit == _STDERR else None)
+            pump = threading.Thread(
+                target=_pump,
+                args=(stream,),
+                name=f"rallypoint-{'stdout' if bit == _STDOUT else 'stderr'}-{spec.local_rank}",
+                daemon=True,
+            )
+            pump.start()
+            worker.pumps.append(pump)
+        return worker
 
     @property
     def pids(self) -> tuple[int, ...]:
@@ -202,10 +239,9 @@ class WorkerGroup:
     def reap(self) -> list[Worker]:
         """Collect workers that have ended; return those that ended since the last call."""
         ended = []
-        now = time.monotonic()
         for worker in self.workers:
             if worker.exited is None and worker.process.poll() is not None:
-                worker.exited = worker.exit_seen or now
+                worker.exited = worker.process.exited_at or time.monotonic()
                 ended.append(worker)
         return ended
 
@@ -213,23 +249,15 @@ class WorkerGroup:
         return [w for w in self.workers if w.exited is None]
 
     def wait(self, timeout: float, wakeup_fd: int | None = None) -> None:
-        """Block until a worker ends, ``wakeup_fd`` is readable, or ``timeout`` passes."""
-        poller = select.poll()
-        watched = False
-        for worker in self.running():
-            if worker.pidfd is not None:
-                poller.register(worker.pidfd, select.POLLIN)
-                watched = True
-        if wakeup_fd is not None:
-            poller.register(wakeup_fd, select.POLLIN)
-        if not watched:
-            # No pidfds (old kernel): fall back to polling at the given interval.
-            timeout = min(timeout, 0.1)
+        """Block until the keeper has news (a worker ended), ``wakeup_fd`` is readable, or
+        ``timeout`` passes."""
+        watched = [self.keeper.fileno] + ([] if wakeup_fd is None else [wakeup_fd])
         with contextlib.suppress(InterruptedError):
-            poller.poll(max(0.0, timeout) * 1000)
+            select.select(watched, [], [], max(0.0, timeout))
 
     def stop(self, sig: signal.Signals, timeout: float) -> None:
-        """Send ``sig`` to every worker's process group, wait ``timeout``, then SIGKILL."""
+        """Send ``sig`` to every worker's process group, wait ``timeout``, then SIGKILL
+        them and whatever they left behind, in their groups or outside them."""
         for worker in self.running():
             _signal_group(worker.pid, sig)
         deadline = time.monotonic() + timeout
@@ -245,22 +273,19 @@ class WorkerGroup:
                 timeout,
                 sig.name,
             )
-        for worker in self.workers:
-            # Also reaches processes a worker started that are still in its group.
-            _signal_group(worker.pid, signal.SIGKILL)
-        for worker in self.workers:
-            # SIGKILL cannot be ignored; the bound only guards against a stuck kernel.
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                worker.process.wait(timeout=5)
-        self.reap()
-        self.close()
+        self.kill(self.workers)
+        left = self.keeper.sweep()
+        if left:
+            logger.info("stopped %d process(es) the workers had left running", left)
 
     def kill(self, workers: Sequence[Worker]) -> None:
         """SIGKILL the process groups of ``workers`` at once and reap them (a stuck worker
         gets no chance to clean up: it may not react to anything else)."""
         for worker in workers:
+            # Also reaches processes a worker started that are still in its group.
             _signal_group(worker.pid, signal.SIGKILL)
         for worker in workers:
+            # SIGKILL cannot be ignored; the bound only guards against a stuck kernel.
             with contextlib.suppress(subprocess.TimeoutExpired):
                 worker.process.wait(timeout=5)
         self.reap()
@@ -274,34 +299,6 @@ class WorkerGroup:
         for worker in self.workers if workers is None else workers:
             for pump in worker.pumps:
                 pump.join(max(0.0, deadline - time.monotonic()))
-
-    def close(self) -> None:
-        for worker in self.workers:
-            if worker.watcher is not None:
-                worker.watcher.join(5)  # the process has exited: the watcher returns at once
-            if worker.pidfd is not None:
-                os.close(worker.pidfd)
-                worker.pidfd = None
-
-
-def _watch_exit(worker: Worker) -> None:
-    """Wait for the worker to exit, without reaping it, and note the time."""
-    assert worker.pidfd is not None
-    try:
-        os.waitid(os.P_PIDFD, worker.pidfd, os.WEXITED | os.WNOWAIT)
-    except (OSError, AttributeError):
-        return
-    worker.exit_seen = time.monotonic()
-
-
-def _pidfd(pid: int) -> int | None:
-    opener = getattr(os, "pidfd_open", None)
-    if opener is None:
-        return None
-    try:
-        return int(opener(pid))
-    except OSError:
-        return None
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
