@@ -5,18 +5,28 @@ Workers never outlive the agent, nor does anything they start: the agent's keepe
 ``PR_SET_PDEATHSIG``, and as a subreaper it kills every process they leave behind when a
 group stops and when the agent dies. Exits are reported by the keeper the moment they
 happen, not found by a polling sleep.
+
+A stream that goes to the console of an agent whose own stream is a terminal is a
+pseudo-terminal of its own (one per worker and stream), as under torchrun, whose workers
+write to the terminal directly: progress bars animate and logs keep their colours. Its
+output is copied as it comes, each line prefixed; other streams are pipes, copied line by
+line.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import fcntl
 import logging
 import os
+import re
 import select
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 from collections.abc import Sequence
@@ -96,6 +106,10 @@ _console = _Console()
 
 
 _TRACEBACK = b"Traceback (most recent call last)"
+#: Terminal control sequences (colours, cursor moves), left out of the failure report.
+_ESCAPES = re.compile(rb"\x1b(\[[0-9;?]*[ -/]*[@-~]|[@-Z\\-_])")
+#: What ends a line on a terminal, or sends the cursor back to redraw it (a progress bar).
+_LINE_ENDS = re.compile(rb"(\r\n|\n|\r)")
 
 
 @dataclass
@@ -107,6 +121,7 @@ class _Stream:
     console: IO[bytes] | None
     file_path: Path | None
     worker: Worker | None  # given for stderr: its tail and traceback time are kept
+    live: bool  # a pseudo-terminal: copied as it comes, not line by line
 
 
 def _pump(stream: _Stream) -> None:
@@ -114,13 +129,18 @@ def _pump(stream: _Stream) -> None:
     worker's tail and the time its first traceback began."""
     sink = open(stream.file_path, "ab") if stream.file_path else None  # noqa: SIM115
     worker = stream.worker
-    pending = b""  # the line being read
+    pending = b""  # the line being read, for the tail and the traceback's time
+    at_line_start = True
     try:
         while chunk := _read(stream.source):
             *lines, pending = (pending + chunk).split(b"\n")
             if stream.console is not None:
-                for line in lines:
-                    _console.write(stream.console, stream.prefix + line + b"\n")
+                if stream.live:
+                    out, at_line_start = _prefixed(chunk, stream.prefix, at_line_start)
+                    _console.write(stream.console, out)
+                else:
+                    for line in lines:
+                        _console.write(stream.console, stream.prefix + line + b"\n")
             if sink is not None:
                 sink.write(chunk)
                 sink.flush()
@@ -128,10 +148,12 @@ def _pump(stream: _Stream) -> None:
                 for line in lines:
                     _note_stderr(worker, line)
         if pending:
-            if stream.console is not None:
+            if stream.console is not None and not stream.live:
                 _console.write(stream.console, stream.prefix + pending + b"\n")
             if worker is not None:
                 _note_stderr(worker, pending)
+        elif stream.live and not at_line_start and stream.console is not None:
+            _console.write(stream.console, b"\n")
     except (OSError, ValueError):
         pass  # the agent is going away; the worker dies with it
     finally:
@@ -143,14 +165,68 @@ def _pump(stream: _Stream) -> None:
 def _read(fd: int) -> bytes:
     try:
         return os.read(fd, 65536)
-    except OSError:
+    except OSError:  # EIO: every holder of the pseudo-terminal's other end has closed it
         return b""
+
+
+def _prefixed(chunk: bytes, prefix: bytes, at_line_start: bool) -> tuple[bytes, bool]:
+    """``chunk`` with ``prefix`` at the start of every line, also of a line redrawn after a
+    carriage return; and whether the next chunk starts a line."""
+    out = []
+    for piece in _LINE_ENDS.split(chunk):
+        if not piece:
+            continue
+        if _LINE_ENDS.fullmatch(piece):
+            out.append(piece)
+            at_line_start = True
+            continue
+        if at_line_start:
+            out.append(prefix)
+        out.append(piece)
+        at_line_start = False
+    return b"".join(out), at_line_start
 
 
 def _note_stderr(worker: Worker, line: bytes) -> None:
     if worker.traceback_seen is None and _TRACEBACK in line:
         worker.traceback_seen = time.monotonic()
-    worker.stderr_tail.append(line.decode("utf-8", "replace") + "\n")
+    # What a terminal would show: the text after the last carriage return, no escapes.
+    shown = _ESCAPES.sub(b"", line.rstrip(b"\r").rsplit(b"\r", 1)[-1])
+    worker.stderr_tail.append(shown.decode("utf-8", "replace") + "\n")
+
+
+def _open_stream(terminal: IO[bytes] | None, prefix: bytes) -> tuple[int, int, bool]:
+    """A (read end, write end, live) pair for one worker stream: a pseudo-terminal when
+    ``terminal`` (the agent's stream it goes to) is one, else a pipe."""
+    if terminal is not None and _isatty(terminal):
+        master, slave = os.openpty()
+        attributes = termios.tcgetattr(slave)
+        attributes[1] &= ~termios.OPOST  # "\n" stays "\n", as written
+        termios.tcsetattr(slave, termios.TCSANOW, attributes)
+        size = _terminal_size(terminal)
+        if size is not None and size[1] > len(prefix):  # the prefix takes part of each line
+            rows, columns = size
+            packed = struct.pack("HHHH", rows, columns - len(prefix), 0, 0)
+            fcntl.ioctl(slave, termios.TIOCSWINSZ, packed)
+        os.set_inheritable(master, False)
+        return master, slave, True
+    read, write = os.pipe()
+    return read, write, False
+
+
+def _isatty(stream: IO[bytes]) -> bool:
+    try:
+        return stream.isatty()
+    except (OSError, ValueError):
+        return False
+
+
+def _terminal_size(stream: IO[bytes]) -> tuple[int, int] | None:
+    try:
+        size = os.get_terminal_size(stream.fileno())
+    except (OSError, ValueError):
+        return None
+    return size.lines, size.columns
 
 
 class WorkerGroup:
@@ -202,9 +278,11 @@ class WorkerGroup:
                 (_STDERR, sys.stderr.buffer, "stderr.log"),
             ):
                 shown = console if rule.console & bit else None
-                read, write = os.pipe()
+                read, write, live = _open_stream(shown, prefix)
                 ends += [read, write]
-                streams.append((read, write, shown, log_dir / name if rule.files & bit else None))
+                streams.append(
+                    (read, write, live, shown, log_dir / name if rule.files & bit else None)
+                )
             try:
                 pid = self.keeper.spawn(command, env, streams[0][1], streams[1][1])
             except OSError as error:
@@ -219,9 +297,9 @@ class WorkerGroup:
                     os.close(fd)
             raise
         worker = Worker(spec, KeptProcess(self.keeper, pid), time.monotonic())
-        for (read, write, shown, path), bit in zip(streams, (_STDOUT, _STDERR), strict=True):
+        for (read, write, live, shown, path), bit in zip(streams, (_STDOUT, _STDERR), strict=True):
             os.close(write)  # the worker holds it now: its exit ends the stream
-            stream = _Stream(read, prefix, shown, path, worker if bit == _STDERR else None)
+            stream = _Stream(read, prefix, shown, path, worker if bit == _STDERR else None, live)
             pump = threading.Thread(
                 target=_pump,
                 args=(stream,),
