@@ -21,18 +21,15 @@ import os
 import time
 import traceback
 from collections.abc import Callable
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def write_error_file(error: BaseException, path: str | None = None) -> None:
-    """Write ``error`` and its traceback to the error file, in torch's JSON format."""
-    target = path or os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not target:
-        return
-    data = {
+def error_record(error: BaseException) -> dict[str, Any]:
+    """``error`` and its traceback as torch's error file holds them."""
+    return {
         "message": {
             "message": f"{type(error).__name__}: {error}",
             "extraInfo": {
@@ -43,8 +40,15 @@ def write_error_file(error: BaseException, path: str | None = None) -> None:
             },
         }
     }
+
+
+def write_error_file(error: BaseException, path: str | None = None) -> None:
+    """Write ``error`` and its traceback to the error file, in torch's JSON format."""
+    target = path or os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not target:
+        return
     with open(target, "w", encoding="utf-8") as handle:
-        json.dump(data, handle)
+        json.dump(error_record(error), handle)
 
 
 def record(function: Callable[P, R]) -> Callable[P, R]:

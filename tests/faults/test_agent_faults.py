@@ -63,7 +63,9 @@ SURVIVED = (
 @pytest.mark.parametrize(
     "options",
     [
-        pytest.param((), marks=pytest.mark.fault("Agent SIGKILL", expected=SURVIVED), id="defaults"),
+        pytest.param(
+            (), marks=pytest.mark.fault("Agent SIGKILL", expected=SURVIVED), id="defaults"
+        ),
         pytest.param(
             ("--restart-policy", "never"),
             marks=pytest.mark.fault(

@@ -41,11 +41,13 @@ from rallypoint.agent.failures import (
     build_report,
     describe_failure,
     failure_of,
+    write_error_record,
 )
 from rallypoint.agent.keeper import Keeper
 from rallypoint.agent.watchdog import Watchdog
 from rallypoint.agent.workers import Worker, WorkerGroup, output_rule
 from rallypoint.config import LaunchConfig
+from rallypoint.errors import RallypointError
 from rallypoint.events import RoundInfo, RunInfo
 from rallypoint.extensions import EventSink, NodeSpec, RestartRequest, SinkContext
 from rallypoint.plugins import PluginManager
@@ -53,6 +55,7 @@ from rallypoint.registry import METRICS_SINKS, RESTART_POLICIES
 from rallypoint.rendezvous.handler import Assignment, RendezvousHandler
 from rallypoint.rendezvous.handlers import create_handler
 from rallypoint.worker_channel import Receiver
+from rallypoint.worker_errors import error_record
 
 logger = logging.getLogger("rallypoint.agent")
 
@@ -104,6 +107,8 @@ class Agent:
             heartbeat=None if self.watchdog is None else self.watchdog.beat,
         )
         self._kept: Keeper | None = None  # started with the first rendezvous: see _keeper
+        # torchrun's parent error file: the root cause of a job that fails goes there too.
+        self._parent_error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
         self.signalled: signal.Signals | None = None
         self._interruptible = False  # in a rendezvous wait: a signal raises _Interrupted
         self._wake_read, self._wake_write = socket.socketpair()
@@ -136,6 +141,10 @@ class Agent:
         exit_code, reason = EXIT_WORKER_FAILURE, "the agent failed"
         try:
             exit_code, reason = self._loop()
+        except RallypointError as error:
+            if self._parent_error_file:  # as torchrun's @record on its main
+                write_error_record(self._parent_error_file, error_record(error))
+            raise
         finally:
             if self._kept is not None:
                 self._kept.close()  # whatever the workers left running goes with it
@@ -465,6 +474,8 @@ class Agent:
     def _report(self, report: FailureReport, reason: str) -> None:
         path = self.run_dir / "failure.json"
         report.write(path)
+        if self._parent_error_file:
+            report.write_parent_error_file(self._parent_error_file)
         logger.error(
             "%s\n  not restarted: %s\n  failure report: %s", report.summary(), reason, path
         )

@@ -14,6 +14,7 @@ reported without ``@record``.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -25,6 +26,8 @@ from typing import Any
 
 from rallypoint.agent.workers import Worker
 from rallypoint.events import WorkerFailure
+
+logger = logging.getLogger("rallypoint.agent")
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class FailureReport:
     root: WorkerFailure
     traceback: str
     failures: tuple[WorkerFailure, ...]
+    error_file: str = ""  # the root cause's TORCHELASTIC_ERROR_FILE
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -71,6 +75,47 @@ class FailureReport:
     def write(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+
+    def write_parent_error_file(self, path: str) -> None:
+        """The root cause in torchrun's parent error file (``TORCHELASTIC_ERROR_FILE`` of
+        the launcher, read by TorchX and job operators): the worker's own error file with
+        its exit code as ``errorCode``, as torchrun copies it; or, when the worker wrote
+        none, a record in the same format made from its exit and its last stderr lines."""
+        root = self.root
+        code = root.exit_code if root.exit_code is not None else -_signal_number(root.signal)
+        data = _load(self.error_file)
+        if data is None:
+            data = {
+                "message": {
+                    "message": root.message or describe_exit(root),
+                    "extraInfo": {
+                        "py_callstack": self.traceback,
+                        "timestamp": str(int(root.timestamp)),
+                    },
+                    "errorCode": code,
+                }
+            }
+        elif isinstance(data.get("message"), dict) and code:
+            data["message"]["errorCode"] = code
+        write_error_record(path, data)
+
+
+def write_error_record(path: str, data: dict[str, Any]) -> None:
+    """Write a torch-format error record to ``path``; a path that cannot be written is
+    warned about, never fatal (torchrun does the same)."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data), encoding="utf-8")
+    except OSError as error:
+        logger.warning("cannot write the error file %s: %s", path, error.strerror)
+
+
+def _signal_number(name: str | None) -> int:
+    try:
+        return int(signal.Signals[name or ""])
+    except KeyError:  # "signal 77": a number with no name
+        digits = (name or "").removeprefix("signal ")
+        return int(digits) if digits.isdigit() else 0
 
 
 def describe_exit(failure: WorkerFailure) -> str:
@@ -172,6 +217,7 @@ def build_report(
         root=root,
         traceback=trace,
         failures=tuple(failures),
+        error_file=worker.spec.error_file,
     )
 
 
