@@ -27,6 +27,7 @@ from rallypoint.registry import (
     RESTART_POLICIES,
     Registry,
 )
+from rallypoint.rendezvous import torch_keys
 
 #: torchrun's defaults, kept so that a torchrun command line means the same here.
 DEFAULT_MASTER_PORT = 29500
@@ -83,6 +84,8 @@ class LaunchConfig:
     checkpoint_dir: str | None = None
     event_log: str | None = None
     watchdog_timeout: float | None = None  # seconds without a heartbeat; None: no watchdog
+    #: What the agent tells the user once at start (a torch key with no effect here).
+    notes: tuple[str, ...] = ()
 
     @property
     def elastic(self) -> bool:
@@ -128,11 +131,15 @@ class LaunchConfig:
                 f"--rdzv-endpoint is required with --rdzv-backend {backend.name} "
                 "(give host:port of the rendezvous service)."
             )
-        values["rdzv_conf"] = parse_options(
+        rdzv_conf, notes = torch_keys.translate(
             values.get("rdzv_conf") or "",
-            backend.options,
-            "--rdzv-conf",
-            f"the {backend.name} backend",
+            {option.name for option in backend.options},
+            backend.torch_keys,
+            backend.name,
+        )
+        values["notes"] = notes
+        values["rdzv_conf"] = parse_options(
+            rdzv_conf, backend.options, "--rdzv-conf", f"the {backend.name} backend"
         )
         if backend.name == "static":
             _check_static(min_nodes, max_nodes, values.get("node_rank", 0))

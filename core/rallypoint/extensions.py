@@ -214,6 +214,11 @@ class RendezvousBackend:
         endpoint_required: whether ``--rdzv-endpoint`` must be given.
         connect: ``(request) -> CoordinationStore``, a new client of the store.
         create_handler: ``(request) -> RendezvousHandler``, instead of ``connect``.
+        torch_keys: torch's ``--rdzv-conf`` keys this backend takes under another name:
+            torch's key -> the option that takes its value (the etcd plugin's
+            ``{"etcd_prefix": "prefix"}``). torch's ``timeout`` is ``join_timeout`` on
+            every backend; a torch key a backend neither declares nor renames is accepted
+            and reported as having no effect (``rallypoint.rendezvous.torch_keys``).
     """
 
     name: str
@@ -222,6 +227,7 @@ class RendezvousBackend:
     endpoint_required: bool = True
     connect: Callable[[RendezvousRequest], CoordinationStore] | None = None
     create_handler: Callable[[RendezvousRequest], RendezvousHandler] | None = None
+    torch_keys: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", normalise_name(self.name))

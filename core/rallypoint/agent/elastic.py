@@ -164,6 +164,8 @@ class Agent:
 
     def _loop(self) -> tuple[int, str]:
         config = self.config
+        for note in config.notes:
+            logger.info("%s", note)
         self.bus.emit(
             events.AGENT_STARTED,
             nproc_per_node=config.nproc_per_node,

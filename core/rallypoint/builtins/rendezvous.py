@@ -46,6 +46,10 @@ _TCPSTORE_OPTIONS = (
     ConfigOption(
         "is_host", bool, None, "host the store here (default: if the endpoint is this host)"
     ),
+    # torch's c10d also offers a FileStore; a rendezvous across hosts needs the TCPStore.
+    ConfigOption(
+        "store_type", str, "tcp", "the store: tcp (a TCPStore), torch's key", choices=("tcp",)
+    ),
 )
 
 

@@ -42,6 +42,13 @@ OPTIONS: tuple[ConfigOption, ...] = (
         minimum=0,
         exclusive_minimum=True,
     ),
+    ConfigOption(
+        "protocol",
+        str,
+        None,
+        "https: TLS for endpoints given without a scheme (torch's key)",
+        choices=("http", "https"),
+    ),
     ConfigOption("ca_cert", str, None, "CA certificate file for TLS"),
     ConfigOption("cert", str, None, "client certificate file for TLS"),
     # Secret: a private key's path is not for logs and error messages either.
@@ -49,6 +56,15 @@ OPTIONS: tuple[ConfigOption, ...] = (
     ConfigOption("user", str, None, "user name for etcd authentication"),
     ConfigOption("password", str, None, "password for etcd authentication", secret=True),
 )
+
+
+#: torch's etcd keys (its etcd and etcd-v2 backends) that have another name here.
+TORCH_KEYS = {
+    "etcd_prefix": "prefix",
+    "cacert": "ca_cert",
+    "ssl_cert": "cert",
+    "ssl_cert_key": "key",
+}
 
 
 def connect(request: RendezvousRequest) -> CoordinationStore:
@@ -59,7 +75,7 @@ def connect(request: RendezvousRequest) -> CoordinationStore:
 
     options = request.options
     try:
-        endpoints, tls = parse_endpoints(request.endpoint)
+        endpoints, tls = parse_endpoints(request.endpoint, options.get("protocol"))
     except ValueError as error:
         shown = redact_endpoint(request.endpoint)
         raise UsageError(f"--rdzv-endpoint {shown!r}: {error}.") from None
@@ -99,5 +115,6 @@ def register_rendezvous_backends() -> list[RendezvousBackend]:
             description="etcd v3: leases for liveness, watches for waiting (host:port[,host:port])",
             options=OPTIONS,
             connect=connect,
+            torch_keys=TORCH_KEYS,
         )
     ]

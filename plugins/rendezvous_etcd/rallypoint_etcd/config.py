@@ -30,11 +30,14 @@ class EtcdConfig:
         return ", ".join(f"{host}:{port}" for host, port in self.endpoints)
 
 
-def parse_endpoints(text: str) -> tuple[tuple[tuple[str, int], ...], bool]:
+def parse_endpoints(
+    text: str, protocol: str | None = None
+) -> tuple[tuple[tuple[str, int], ...], bool]:
     """``host:port[,host:port...]`` -> the endpoints, and whether a scheme asked for TLS.
 
     Each endpoint may be ``host``, ``host:port``, ``[v6]:port``, or any of these after
-    ``http://`` or ``https://`` (etcdctl's form); the port defaults to 2379.
+    ``http://`` or ``https://`` (etcdctl's form); the port defaults to 2379. ``protocol``
+    (torch's ``--rdzv-conf protocol``) is the scheme of endpoints given without one.
     """
     endpoints: list[tuple[str, int]] = []
     schemes: set[str] = set()
@@ -70,6 +73,8 @@ def parse_endpoints(text: str) -> tuple[tuple[tuple[str, int], ...], bool]:
         endpoints.append((host, port))
     if not endpoints:
         raise ValueError("no endpoint given; expected host:port[,host:port...]")
+    if protocol and schemes - {protocol}:
+        raise ValueError(f"its scheme is not --rdzv-conf protocol={protocol}")
     if len(schemes) > 1:
         raise ValueError("mixes http:// and https:// endpoints; one cluster uses one or the other")
-    return tuple(endpoints), schemes == {"https"}
+    return tuple(endpoints), (schemes or {protocol or "http"}) == {"https"}
