@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import typer
+import typer.core
 
 from rallypoint.config import LaunchConfig
 from rallypoint.plugins import PluginManager
@@ -22,6 +23,7 @@ from rallypoint.registry import (
     Kind,
     Registry,
 )
+from rallypoint_cli import abbreviations
 
 
 def flag(name: str, default: Any, help: str, *, short: str | None = None, **extra: Any) -> Any:
@@ -34,6 +36,14 @@ def flag(name: str, default: Any, help: str, *, short: str | None = None, **extr
         decls.append(short)
     env = [f"RALLYPOINT_{dest.upper()}", f"PET_{dest.upper()}"]
     return typer.Option(default, *decls, envvar=env, help=help, **extra)
+
+
+class _RunCommand(typer.core.TyperCommand):
+    """``run``, taking abbreviated long options as torchrun's argparse does."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        expanded = abbreviations.expand(self, args, self.get_help_option_names(ctx))
+        return list(super().parse_args(ctx, expanded))
 
 
 def _choices(registry: Registry, kind: Kind[Any]) -> str:
@@ -50,6 +60,7 @@ def register(app: typer.Typer, pm: PluginManager) -> None:
 
     @app.command(
         "run",
+        cls=_RunCommand,
         context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
     )
     def run(

@@ -120,6 +120,12 @@ class LaunchConfig:
             and values.get("master_port") is None
             and max_nodes == 1
         )
+        if values.get("standalone") and max_nodes > 1:
+            raise UsageError(
+                f"--standalone runs a job of one node, but --nnodes {nnodes.strip()} allows "
+                f"{max_nodes}: leave out --standalone and give --rdzv-backend and "
+                "--rdzv-endpoint for a job of several nodes."
+            )
         if values.get("standalone") or implicit:
             values["rdzv_backend"] = "c10d"
             values["rdzv_endpoint"] = STANDALONE_ENDPOINT
@@ -523,7 +529,13 @@ def _check_script(values: Mapping[str, Any]) -> None:
             return
         raise UsageError(f"training program {script!r} does not exist and is not on PATH.")
     if os.path.isdir(script):
-        raise UsageError(f"training script {script!r} is a directory; name the script in it.")
+        # python runs a directory (or a zip file) by its __main__.py, and so does torchrun.
+        if os.path.isfile(os.path.join(script, "__main__.py")):
+            return
+        raise UsageError(
+            f"training script {script!r} is a directory without a __main__.py; name the "
+            "script in it."
+        )
     if not os.path.isfile(script):
         raise UsageError(f"training script {script!r} does not exist.")
 

@@ -53,7 +53,7 @@ from rallypoint.extensions import EventSink, NodeSpec, RestartRequest, SinkConte
 from rallypoint.plugins import PluginManager
 from rallypoint.registry import METRICS_SINKS, RESTART_POLICIES
 from rallypoint.rendezvous.handler import Assignment, RendezvousHandler
-from rallypoint.rendezvous.handlers import create_handler
+from rallypoint.rendezvous.handlers import create_handler, node_address
 from rallypoint.worker_channel import Receiver
 from rallypoint.worker_errors import error_record
 
@@ -93,7 +93,11 @@ class Agent:
         self.handler: RendezvousHandler = create_handler(
             config,
             pm.registry,
-            NodeSpec(self.node_id, host=config.local_addr or hostname, labels=config.node_labels),
+            NodeSpec(
+                self.node_id,
+                host=node_address(config.local_addr, config.max_nodes),
+                labels=config.node_labels,
+            ),
         )
         self.run_dir, self._temporary_run_dir = _run_directory(config)
         self.metrics_dir: Path | None = None  # set by _create_sinks when a sink wants it
