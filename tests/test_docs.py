@@ -126,7 +126,10 @@ def test_hook_reference_is_up_to_date() -> None:
 def test_user_guide_flags_exist() -> None:
     accepted = all_command_flags()
     mentioned = set(_FLAG.findall(USER_GUIDE.read_text(encoding="utf-8")))
-    unknown = sorted(mentioned - accepted - NOT_YET_SUPPORTED)
+    # Shortened flags (--nnode) are accepted as prefixes; the misspelling is the guide's
+    # example of the error.
+    prefixes = {flag for flag in mentioned if any(a.startswith(flag) for a in accepted)}
+    unknown = sorted(mentioned - accepted - NOT_YET_SUPPORTED - prefixes - {"--max-restars"})
     assert not unknown, f"docs/user-guide.md mentions flags no command has: {unknown}"
 
 

@@ -85,6 +85,8 @@ class WorkerFailure:
             the watchdog killed, the time of its last heartbeat.
         stalled_seconds: set when the progress watchdog (``--watchdog-timeout``) killed
             the worker: how long it had gone without a heartbeat; ``None`` otherwise.
+        out_of_memory: the kernel's out-of-memory killer killed it (its log named the
+            pid, or its memory cgroup counted an OOM kill meanwhile).
     """
 
     local_rank: int
@@ -95,6 +97,7 @@ class WorkerFailure:
     message: str = ""
     timestamp: float = 0.0
     stalled_seconds: float | None = None
+    out_of_memory: bool = False
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from rallypoint.agent.failures import (
     write_error_record,
 )
 from rallypoint.agent.keeper import Keeper
+from rallypoint.agent.oom import cgroup_kills, oom_killed
 from rallypoint.agent.watchdog import Watchdog
 from rallypoint.agent.workers import Worker, WorkerGroup, output_rule
 from rallypoint.config import LaunchConfig
@@ -111,6 +112,7 @@ class Agent:
             heartbeat=None if self.watchdog is None else self.watchdog.beat,
         )
         self._kept: Keeper | None = None  # started with the first rendezvous: see _keeper
+        self._oom_kills: int | None = None  # the memory cgroup's OOM kills at the last start
         # torchrun's parent error file: the root cause of a job that fails goes there too.
         self._parent_error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
         self.signalled: signal.Signals | None = None
@@ -377,6 +379,7 @@ class Agent:
         log_dirs = [attempt_dir / str(spec.local_rank) for spec in specs]
         if self.watchdog is not None:
             self.watchdog.watch(time.monotonic())
+        self._oom_kills = cgroup_kills()  # a kill counted after this is one of ours
         return WorkerGroup.start(
             self._keeper(),
             worker_command(config),
@@ -465,7 +468,12 @@ class Agent:
         group.stop(signal.SIGTERM, self.config.shutdown_timeout)
         group.finish_output()
         now_wall, now_mono = time.time(), time.monotonic()
-        failures = [failure_of(w, now_wall - (now_mono - _failed_at(w, now_mono))) for w in failed]
+        killed = [w.pid for w in failed if w.returncode == -signal.SIGKILL and not w.stalled_since]
+        oom = oom_killed(killed, self._oom_kills)
+        failures = [
+            failure_of(w, now_wall - (now_mono - _failed_at(w, now_mono)), w.pid in oom)
+            for w in failed
+        ]
         report = build_report(
             group.workers,
             failures,

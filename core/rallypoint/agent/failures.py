@@ -122,7 +122,7 @@ def describe_exit(failure: WorkerFailure) -> str:
     if failure.stalled_seconds is not None:
         return f"made no progress for {failure.stalled_seconds:.1f} s (watchdog)"
     if failure.signal:
-        return f"killed by {failure.signal}"
+        return f"killed by {failure.signal}" + (" (out of memory)" if failure.out_of_memory else "")
     return f"exit code {failure.exit_code}"
 
 
@@ -144,8 +144,9 @@ def describe_failure(failure: WorkerFailure) -> str:
 _MESSAGE_WIDTH = 160
 
 
-def failure_of(worker: Worker, wall_time: float) -> WorkerFailure:
-    """Describe a worker that ended with a non-zero status, failing at ``wall_time``."""
+def failure_of(worker: Worker, wall_time: float, out_of_memory: bool = False) -> WorkerFailure:
+    """Describe a worker that ended with a non-zero status, failing at ``wall_time``;
+    ``out_of_memory``: the kernel said its OOM killer killed it."""
     code = worker.returncode
     signal_name = None
     if code is not None and code < 0:
@@ -162,6 +163,7 @@ def failure_of(worker: Worker, wall_time: float) -> WorkerFailure:
         message=_read_message(worker.spec.error_file) or exception_line(worker.stderr_tail),
         timestamp=wall_time,
         stalled_seconds=None if worker.stalled_for is None else round(worker.stalled_for, 3),
+        out_of_memory=out_of_memory,
     )
 
 

@@ -209,6 +209,8 @@ class PrometheusSink:
             self.nodes_waiting.labels(**labels).set(float(data.get("nodes_waiting", 0)))
         elif name == events.WORKER_FAILED:
             reason = data.get("signal") or f"exit_code_{data.get('exit_code')}"
+            if data.get("out_of_memory"):
+                reason = "out_of_memory"
             self.failures.labels(**labels, exit_reason=str(reason)).inc()
         elif name == events.WORKERS_RESTARTED:
             self.restarts.labels(**labels, cause=str(data.get("cause", "failure"))).inc()
