@@ -33,17 +33,6 @@ WRITING = DOCS / "plugins" / "writing.md"
 #: Every page with python blocks; generated pages and the example plugin's README included.
 PAGES_WITH_PYTHON = sorted(p for p in DOCS.rglob("*.md") if "```python" in p.read_text("utf-8"))
 
-#: torchrun flags the user guide says rallypoint does not accept yet. When one is added to
-#: `rallypoint run`, test_unsupported_torchrun_flags_are_absent fails: update the guide.
-NOT_YET_SUPPORTED = {
-    "--logs-specs",
-    "--event-log-handler",
-    "--duplicate-stdout-filters",
-    "--duplicate-stderr-filters",
-    "--numa-binding",
-    "--virtual-local-rank",
-}
-
 #: The distributions of this repository; third-party plugins installed here are not documented.
 BUNDLED = {"rallypoint", "rallypoint-etcd", "rallypoint-redis", "rallypoint-prometheus"}
 
@@ -129,7 +118,7 @@ def test_user_guide_flags_exist() -> None:
     # Shortened flags (--nnode) are accepted as prefixes; the misspelling is the guide's
     # example of the error.
     prefixes = {flag for flag in mentioned if any(a.startswith(flag) for a in accepted)}
-    unknown = sorted(mentioned - accepted - NOT_YET_SUPPORTED - prefixes - {"--max-restars"})
+    unknown = sorted(mentioned - accepted - prefixes - {"--max-restars"})
     assert not unknown, f"docs/user-guide.md mentions flags no command has: {unknown}"
 
 
@@ -141,13 +130,18 @@ def test_every_run_flag_is_documented() -> None:
     assert not missing, f"flags of `rallypoint run` missing from docs/user-guide.md: {missing}"
 
 
-def test_unsupported_torchrun_flags_are_absent() -> None:
-    """The guide lists them as not accepted yet; that must stay true."""
-    text = USER_GUIDE.read_text(encoding="utf-8")
-    accepted = run_command_flags()
-    for flag in sorted(NOT_YET_SUPPORTED):
-        assert flag in text, f"{flag} is no longer listed in docs/user-guide.md"
-        assert flag not in accepted, f"{flag} is accepted now: update docs/user-guide.md"
+def test_every_torchrun_flag_is_accepted() -> None:
+    """Every option string of the installed torchrun's parser is one of `rallypoint run`'s."""
+    from torch.distributed.run import get_args_parser
+
+    theirs = {
+        flag
+        for action in get_args_parser()._actions
+        for flag in action.option_strings
+        if flag.startswith("--")
+    }
+    missing = sorted(theirs - run_command_flags())
+    assert not missing, f"torchrun flags `rallypoint run` does not accept: {missing}"
 
 
 def test_user_guide_documents_every_option_key() -> None:

@@ -152,6 +152,30 @@ def register(app: typer.Typer, pm: PluginManager) -> None:
             "Restart a worker silent this many seconds after a rallypoint.heartbeat() "
             "(default: off).",
         ),
+        logs_specs: str | None = flag(
+            "logs-specs", None, "A torchrun.logs_specs entry point: where worker logs go."
+        ),
+        event_log_handler: str = flag(
+            "event-log-handler", "null", "torch's event handler: null, console, dynamic_rendezvous."
+        ),
+        duplicate_stdout_filters: str = flag(
+            "duplicate-stdout-filters",
+            "",
+            "Also copy teed stdout lines containing one of these (a,b; ,, for a comma) to a file.",
+        ),
+        duplicate_stderr_filters: str = flag(
+            "duplicate-stderr-filters", "", "The same for stderr."
+        ),
+        numa_binding: str | None = flag(
+            "numa-binding",
+            None,
+            "Bind workers near their device: node, socket, exclusive, core-complex.",
+        ),
+        virtual_local_rank: bool = flag(
+            "virtual-local-rank",
+            False,
+            "LOCAL_RANK=0 in every worker, CUDA_VISIBLE_DEVICES its own device.",
+        ),
     ) -> None:
         """Launch SCRIPT on this node's workers, like torchrun, and keep it running."""
         flags = dict(ctx.params)

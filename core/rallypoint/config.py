@@ -84,6 +84,12 @@ class LaunchConfig:
     checkpoint_dir: str | None = None
     event_log: str | None = None
     watchdog_timeout: float | None = None  # seconds without a heartbeat; None: no watchdog
+    logs_specs: str | None = None  # a torchrun.logs_specs entry point
+    event_log_handler: str = "null"  # torch's event handler names: null, console, ...
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    duplicate_stderr_filters: tuple[str, ...] = ()
+    numa_binding: str | None = None  # node, socket, exclusive or core-complex
+    virtual_local_rank: bool = False
     #: What the agent tells the user once at start (a torch key with no effect here).
     notes: tuple[str, ...] = ()
 
@@ -193,6 +199,7 @@ class LaunchConfig:
             values.get("signals_to_handle") or "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
         )
         values["training_script_args"] = tuple(values.get("training_script_args") or ())
+        _parse_torchrun_extras(values)
         if values.get("shutdown_timeout") is None:
             values["shutdown_timeout"] = float(
                 os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT)
@@ -451,6 +458,47 @@ def parse_signals(text: str) -> tuple[str, ...]:
         if not name.startswith("SIG") or not hasattr(signal, name) or name.startswith("SIG_"):
             raise UsageError(f"--signals-to-handle {text!r}: {name!r} is not a signal name.")
     return names
+
+
+def parse_filters(text: str) -> tuple[str, ...]:
+    """torchrun's ``--duplicate-*-filters``: comma-separated, ``,,`` for a comma in one."""
+    items = text.replace(",,", "\0").split(",")
+    return tuple(item.replace("\0", ",") for item in items if item)
+
+
+#: torch 2.13's event handlers (``torch.distributed.elastic.events.handlers``).
+EVENT_LOG_HANDLERS = ("console", "dynamic_rendezvous", "null")
+
+
+def _parse_torchrun_extras(values: dict[str, Any]) -> None:
+    """``--logs-specs``, ``--event-log-handler``, ``--duplicate-*-filters``,
+    ``--numa-binding`` and ``--virtual-local-rank``, with torchrun's meanings."""
+    from rallypoint.agent.logs import check_logs_specs
+    from rallypoint.agent.numa import MODES
+
+    if values.get("logs_specs"):
+        check_logs_specs(values["logs_specs"])
+    handler = str(values.get("event_log_handler") or "null")
+    if handler not in EVENT_LOG_HANDLERS:
+        raise UsageError(
+            f"--event-log-handler {handler!r}: choose one of {', '.join(EVENT_LOG_HANDLERS)}."
+        )
+    values["event_log_handler"] = handler
+    for key in ("duplicate_stdout_filters", "duplicate_stderr_filters"):
+        raw = values.get(key) or ()
+        values[key] = raw if isinstance(raw, tuple) else parse_filters(str(raw))
+    mode = values.get("numa_binding")
+    if mode is not None and mode not in MODES:
+        raise UsageError(f"--numa-binding {mode!r}: choose one of {', '.join(MODES)}.")
+    if values.get("virtual_local_rank"):
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        devices = [d for d in (visible or "").split(",") if d.strip()]
+        if visible is not None and len(devices) < values["nproc_per_node"]:
+            raise UsageError(
+                f"--virtual-local-rank: {values['nproc_per_node']} workers but "
+                f"CUDA_VISIBLE_DEVICES={visible!r} names {len(devices)} devices; each worker "
+                "sees the device of its local rank."
+            )
 
 
 # --- cross-field checks ----------------------------------------------------------------------

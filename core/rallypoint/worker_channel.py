@@ -35,7 +35,11 @@ def send(name: str, **data: Any) -> None:
     address = os.environ.get(ENV)
     if not address:
         return
-    payload = {"event": name, "rank": _int_env("RANK"), "local_rank": _int_env("LOCAL_RANK")}
+    # RALLYPOINT_LOCAL_RANK: the real one, also under --virtual-local-rank (LOCAL_RANK 0).
+    local_rank = _int_env("RALLYPOINT_LOCAL_RANK")
+    if local_rank is None:
+        local_rank = _int_env("LOCAL_RANK")
+    payload = {"event": name, "rank": _int_env("RANK"), "local_rank": local_rank}
     message = json.dumps({**payload, **data}, default=str).encode()
     with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.setblocking(False)

@@ -28,14 +28,15 @@ import socket
 import tempfile
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from rallypoint import events
+from rallypoint.agent import numa
 from rallypoint.agent.environment import WorkerSpec, worker_command, worker_environment
-from rallypoint.agent.eventbus import EventBus
+from rallypoint.agent.eventbus import EventBus, TorchConsoleEvents
 from rallypoint.agent.failures import (
     FailureReport,
     build_report,
@@ -44,9 +45,10 @@ from rallypoint.agent.failures import (
     write_error_record,
 )
 from rallypoint.agent.keeper import Keeper
+from rallypoint.agent.logs import STDERR, STDOUT, AttemptLogs, TorchLogsSpecs, default_logs
 from rallypoint.agent.oom import cgroup_kills, oom_killed
 from rallypoint.agent.watchdog import Watchdog
-from rallypoint.agent.workers import Worker, WorkerGroup, output_rule
+from rallypoint.agent.workers import Worker, WorkerGroup
 from rallypoint.config import LaunchConfig
 from rallypoint.errors import RallypointError
 from rallypoint.events import RoundInfo, RunInfo
@@ -113,6 +115,7 @@ class Agent:
         )
         self._kept: Keeper | None = None  # started with the first rendezvous: see _keeper
         self._oom_kills: int | None = None  # the memory cgroup's OOM kills at the last start
+        self._logs_specs: TorchLogsSpecs | None = None  # --logs-specs's class, made once
         # torchrun's parent error file: the root cause of a job that fails goes there too.
         self._parent_error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
         self.signalled: signal.Signals | None = None
@@ -123,6 +126,8 @@ class Agent:
 
     def _create_sinks(self) -> list[EventSink]:
         sinks: list[EventSink] = []
+        if self.config.event_log_handler == "console":
+            sinks.append(TorchConsoleEvents())
         for name in self.config.metrics:
             sink = self.pm.registry.get(METRICS_SINKS, name)
             declared = {option.name for option in sink.options}
@@ -366,17 +371,18 @@ class Agent:
             )
             for spec in specs
         ]
-        shown = config.local_ranks_filter
-        rules = [
-            output_rule(
-                spec.local_rank,
-                dict(config.redirects),
-                dict(config.tee),
-                shown is None or spec.local_rank in shown,
+        logs = self._attempt_logs(attempt_dir, environments)
+        for local_rank, output in enumerate(logs.workers):
+            if output.error_file != specs[local_rank].error_file:  # --logs-specs moved it
+                specs[local_rank] = replace(specs[local_rank], error_file=output.error_file)
+        cpus = None
+        if config.numa_binding:
+            cpus = numa.bindings(
+                config.numa_binding,
+                config.nproc_per_node,
+                numa.gpu_numa_nodes(os.environ),
+                numa.Topology(),
             )
-            for spec in specs
-        ]
-        log_dirs = [attempt_dir / str(spec.local_rank) for spec in specs]
         if self.watchdog is not None:
             self.watchdog.watch(time.monotonic())
         self._oom_kills = cgroup_kills()  # a kill counted after this is one of ours
@@ -385,9 +391,32 @@ class Agent:
             worker_command(config),
             specs,
             environments,
-            rules,
-            log_dirs,
+            logs,
             config.role,
+            cpus,
+        )
+
+    def _attempt_logs(self, attempt_dir: Path, environments: list[dict[str, str]]) -> AttemptLogs:
+        """Where this attempt's output goes: rallypoint's layout, or --logs-specs's."""
+        config = self.config
+        filters = {STDOUT: config.duplicate_stdout_filters, STDERR: config.duplicate_stderr_filters}
+        if config.logs_specs:
+            if self._logs_specs is None:
+                self._logs_specs = TorchLogsSpecs(
+                    config.logs_specs,
+                    config.log_dir,
+                    config.redirects,
+                    config.tee,
+                    config.local_ranks_filter,
+                )
+            return self._logs_specs.attempt(environments, filters)
+        return default_logs(
+            attempt_dir,
+            config.nproc_per_node,
+            config.redirects,
+            config.tee,
+            config.local_ranks_filter,
+            filters,
         )
 
     def _keeper(self) -> Keeper:

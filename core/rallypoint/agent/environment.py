@@ -63,8 +63,19 @@ def worker_environment(
             "RALLYPOINT_RUN_ID": run_id,
             "RALLYPOINT_NODE_ID": node_id,
             "RALLYPOINT_RENDEZVOUS_ROUND": str(info.round),
+            # The worker's place on the node, also when --virtual-local-rank makes
+            # LOCAL_RANK 0 everywhere: the agent's watchdog and events tell workers by it.
+            "RALLYPOINT_LOCAL_RANK": str(worker.local_rank),
         }
     )
+    if config.virtual_local_rank:
+        # torchrun's: each worker sees only its device, as device 0.
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        devices = [d.strip() for d in visible.split(",")] if visible is not None else None
+        env["LOCAL_RANK"] = "0"
+        env["CUDA_VISIBLE_DEVICES"] = (
+            devices[worker.local_rank] if devices is not None else str(worker.local_rank)
+        )
     if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in env:
         # torchrun's choice: many workers each using every core oversubscribe the host.
         env["OMP_NUM_THREADS"] = "1"

@@ -9,7 +9,9 @@ reported once and never stops the run.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -56,6 +58,44 @@ _HOOKS: dict[str, tuple[str, Callable[[Mapping[str, Any]], dict[str, Any]]]] = {
         lambda d: {"exit_code": d["exit_code"], "reason": d["reason"]},
     ),
 }
+
+
+#: Events about one worker: torch's ``EventSource.WORKER``; the rest are the agent's.
+_ABOUT_A_WORKER = frozenset(
+    {events.WORKER_FAILED, events.CHECKPOINT_SAVED, events.CHECKPOINT_LOADED}
+)
+
+
+class TorchConsoleEvents:
+    """``--event-log-handler console``: every event on stderr as torchelastic's event
+    records (``torch.distributed.elastic.events.Event`` serialised: ``name``, ``source``,
+    ``timestamp`` in milliseconds, ``metadata``; ``source`` ``WORKER`` for events about a
+    worker, else ``AGENT``), as torchrun's ``console`` handler logs its own. torch's other handlers, ``null`` and ``dynamic_rendezvous``, write nothing."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self.stream = stream
+
+    def emit(self, event: Event) -> None:
+        run = event.run
+        metadata = {
+            "run_id": run.run_id,
+            "node_id": run.node_id,
+            "hostname": run.hostname,
+            "role": run.role,
+            **event.data,
+        }
+        record = {
+            "name": f"rallypoint.{event.name}",
+            "source": "WORKER" if event.name in _ABOUT_A_WORKER else "AGENT",
+            "timestamp": int(event.wall_time * 1000),
+            "metadata": metadata,
+        }
+        stream = self.stream or sys.stderr
+        stream.write(json.dumps(record, default=str) + "\n")
+        stream.flush()
+
+    def close(self) -> None:
+        pass
 
 
 class EventBus:

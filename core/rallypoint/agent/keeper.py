@@ -39,7 +39,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 _PR_SET_PDEATHSIG = 1
@@ -208,6 +208,7 @@ class _Keeper:
         argv: list[str] = message["argv"]
         env: dict[str, str] = message["env"]
         cwd: str = message["cwd"]
+        cpus: list[int] | None = message.get("cpus")
         stdout, stderr = fds
         errors_read, errors_write = os.pipe()  # close-on-exec: EOF once exec succeeded
         keeper = os.getpid()
@@ -226,6 +227,8 @@ class _Keeper:
                 os.closerange(3, errors_write)
                 os.closerange(errors_write + 1, 1 << 20)
                 os.chdir(cwd)
+                if cpus is not None:  # --numa-binding; kept across exec, by every thread
+                    os.sched_setaffinity(0, cpus)
                 os.execvpe(argv[0], argv, env)
             except OSError as error:
                 os.write(errors_write, f"{error.errno}:{error.strerror}".encode())
@@ -311,11 +314,21 @@ class Keeper:
         """Readable when the keeper has news (a worker's exit), or died."""
         return self.sock.fileno()
 
-    def spawn(self, argv: Sequence[str], env: dict[str, str], stdout: int, stderr: int) -> int:
-        """Start a worker; its pid. ``OSError`` when it cannot be executed."""
-        reply = self._request(
-            {"op": "spawn", "argv": list(argv), "env": env, "cwd": os.getcwd()}, (stdout, stderr)
-        )
+    def spawn(
+        self,
+        argv: Sequence[str],
+        env: dict[str, str],
+        stdout: int,
+        stderr: int,
+        cpus: Collection[int] | None = None,
+    ) -> int:
+        """Start a worker, on ``cpus`` if given; its pid. ``OSError`` when it cannot be
+        executed."""
+        request: dict[str, Any] = {"op": "spawn", "argv": list(argv), "env": env}
+        request["cwd"] = os.getcwd()
+        if cpus is not None:
+            request["cpus"] = sorted(cpus)
+        reply = self._request(request, (stdout, stderr))
         if reply["op"] == "failed":
             raise OSError(reply["errno"], reply["message"], argv[0])
         return int(reply["pid"])

@@ -36,31 +36,12 @@ from typing import IO
 
 from rallypoint.agent.environment import WorkerSpec
 from rallypoint.agent.keeper import Keeper, KeeperGone, KeptProcess
+from rallypoint.agent.logs import STDERR, STDOUT, AttemptLogs, WorkerLogs
 from rallypoint.errors import RallypointError
 
 logger = logging.getLogger("rallypoint.agent")
 
 _TAIL_LINES = 60
-_STDOUT, _STDERR = 1, 2
-
-
-@dataclass(frozen=True)
-class OutputRule:
-    """Where one worker's output goes (torchrun's ``--redirects``, ``--tee``, filter)."""
-
-    console: int  # streams shown on the console, prefixed: bit 1 stdout, bit 2 stderr
-    files: int  # streams written to files in the worker's log directory
-
-
-def output_rule(
-    local_rank: int, redirects: dict[int, int], tee: dict[int, int], shown: bool
-) -> OutputRule:
-    """The rule for ``local_rank``: redirected streams leave the console, teed ones stay
-    (tee wins where both name a stream, as in torchrun)."""
-    redirect = redirects.get(local_rank, redirects.get(-1, 0))
-    copy = tee.get(local_rank, tee.get(-1, 0))
-    console = ((_STDOUT | _STDERR) & ~redirect | copy) if shown else 0
-    return OutputRule(console=console, files=redirect | copy)
 
 
 @dataclass
@@ -105,6 +86,24 @@ class _Console:
 _console = _Console()
 
 
+class _Filtered:
+    """An attempt's ``filtered_stdout.log`` or ``filtered_stderr.log``: the prefixed lines
+    of teed streams that contain one of the ``--duplicate-*-filters`` strings, from every
+    worker, as torchrun writes them."""
+
+    def __init__(self, path: Path, needles: Sequence[str]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(path, "wb")  # noqa: SIM115 - closed with the group
+        self.needles = [needle.encode() for needle in needles]
+        self.lock = threading.Lock()
+
+    def offer(self, prefix: bytes, line: bytes) -> None:
+        if any(needle in line for needle in self.needles):
+            with self.lock:
+                self.file.write(prefix + line + b"\n")
+                self.file.flush()
+
+
 _TRACEBACK = b"Traceback (most recent call last)"
 #: Terminal control sequences (colours, cursor moves), left out of the failure report.
 _ESCAPES = re.compile(rb"\x1b(\[[0-9;?]*[ -/]*[@-~]|[@-Z\\-_])")
@@ -122,13 +121,13 @@ class _Stream:
     file_path: Path | None
     worker: Worker | None  # given for stderr: its tail and traceback time are kept
     live: bool  # a pseudo-terminal: copied as it comes, not line by line
+    filtered: _Filtered | None = None  # a teed stream's matching lines are copied there
 
 
 def _pump(stream: _Stream) -> None:
     """Copy one worker stream to the console (prefixed), a file and, for stderr, the
     worker's tail and the time its first traceback began."""
     sink = open(stream.file_path, "ab") if stream.file_path else None  # noqa: SIM115
-    worker = stream.worker
     pending = b""  # the line being read, for the tail and the traceback's time
     at_line_start = True
     try:
@@ -144,14 +143,12 @@ def _pump(stream: _Stream) -> None:
             if sink is not None:
                 sink.write(chunk)
                 sink.flush()
-            if worker is not None:
-                for line in lines:
-                    _note_stderr(worker, line)
+            for line in lines:
+                _note(stream, line)
         if pending:
             if stream.console is not None and not stream.live:
                 _console.write(stream.console, stream.prefix + pending + b"\n")
-            if worker is not None:
-                _note_stderr(worker, pending)
+            _note(stream, pending)
         elif stream.live and not at_line_start and stream.console is not None:
             _console.write(stream.console, b"\n")
     except (OSError, ValueError):
@@ -185,6 +182,14 @@ def _prefixed(chunk: bytes, prefix: bytes, at_line_start: bool) -> tuple[bytes, 
         out.append(piece)
         at_line_start = False
     return b"".join(out), at_line_start
+
+
+def _note(stream: _Stream, line: bytes) -> None:
+    """What a whole line tells: duplicated if it matches a filter; for stderr, the tail."""
+    if stream.filtered is not None:
+        stream.filtered.offer(stream.prefix, line.rstrip(b"\r"))
+    if stream.worker is not None:
+        _note_stderr(stream.worker, line)
 
 
 def _note_stderr(worker: Worker, line: bytes) -> None:
@@ -235,6 +240,7 @@ class WorkerGroup:
     def __init__(self, workers: Sequence[Worker], keeper: Keeper) -> None:
         self.workers = list(workers)
         self.keeper = keeper
+        self._filtered: dict[int, _Filtered] = {}
 
     @classmethod
     def start(
@@ -243,18 +249,24 @@ class WorkerGroup:
         command: Sequence[str],
         specs: Sequence[WorkerSpec],
         environments: Sequence[dict[str, str]],
-        rules: Sequence[OutputRule],
-        log_dirs: Sequence[Path],
+        logs: AttemptLogs,
         role: str,
+        cpus: Sequence[frozenset[int] | None] | None = None,
     ) -> WorkerGroup:
-        """Start one process per spec, each with its environment and output rule."""
+        """Start one process per spec, each with its environment, its output as ``logs``
+        say, and the CPUs ``cpus`` give it (``--numa-binding``; None: any)."""
         group = cls([], keeper)
         try:
-            for spec, env, rule, log_dir in zip(specs, environments, rules, log_dirs, strict=True):
+            group._filtered = {
+                stream: _Filtered(path, needles)
+                for stream, (path, needles) in logs.filtered.items()
+            }
+            for local_rank, (spec, env, output) in enumerate(
+                zip(specs, environments, logs.workers, strict=True)
+            ):
                 Path(spec.error_file).parent.mkdir(parents=True, exist_ok=True)
-                if rule.files:
-                    log_dir.mkdir(parents=True, exist_ok=True)
-                group.workers.append(group._start_one(command, spec, env, rule, log_dir, role))
+                allowed = cpus[local_rank] if cpus else None
+                group.workers.append(group._start_one(command, spec, env, output, role, allowed))
         except BaseException:
             group.stop(signal.SIGKILL, 0)
             raise
@@ -265,26 +277,25 @@ class WorkerGroup:
         command: Sequence[str],
         spec: WorkerSpec,
         env: dict[str, str],
-        rule: OutputRule,
-        log_dir: Path,
+        output: WorkerLogs,
         role: str,
+        cpus: frozenset[int] | None,
     ) -> Worker:
         prefix = f"[{role}{spec.local_rank}]:".encode()
         streams = []
         ends: list[int] = []
         try:
-            for bit, console, name in (
-                (_STDOUT, sys.stdout.buffer, "stdout.log"),
-                (_STDERR, sys.stderr.buffer, "stderr.log"),
-            ):
-                shown = console if rule.console & bit else None
+            for bit, console in ((STDOUT, sys.stdout.buffer), (STDERR, sys.stderr.buffer)):
+                shown = console if output.console & bit else None
                 read, write, live = _open_stream(shown, prefix)
                 ends += [read, write]
-                streams.append(
-                    (read, write, live, shown, log_dir / name if rule.files & bit else None)
-                )
+                path = output.file(bit)
+                if path is not None:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                filtered = self._filtered.get(bit) if output.teed & bit else None
+                streams.append((read, write, live, shown, path, filtered))
             try:
-                pid = self.keeper.spawn(command, env, streams[0][1], streams[1][1])
+                pid = self.keeper.spawn(command, env, streams[0][1], streams[1][1], cpus)
             except OSError as error:
                 raise RallypointError(
                     f"cannot start worker {spec.local_rank}: {command[0]!r}: {error.strerror}"
@@ -297,13 +308,17 @@ class WorkerGroup:
                     os.close(fd)
             raise
         worker = Worker(spec, KeptProcess(self.keeper, pid), time.monotonic())
-        for (read, write, live, shown, path), bit in zip(streams, (_STDOUT, _STDERR), strict=True):
+        for (read, write, live, shown, path, filtered), bit in zip(
+            streams, (STDOUT, STDERR), strict=True
+        ):
             os.close(write)  # the worker holds it now: its exit ends the stream
-            stream = _Stream(read, prefix, shown, path, worker if bit == _STDERR else None, live)
+            stream = _Stream(
+                read, prefix, shown, path, worker if bit == STDERR else None, live, filtered
+            )
             pump = threading.Thread(
                 target=_pump,
                 args=(stream,),
-                name=f"rallypoint-{'stdout' if bit == _STDOUT else 'stderr'}-{spec.local_rank}",
+                name=f"rallypoint-{'stdout' if bit == STDOUT else 'stderr'}-{spec.local_rank}",
                 daemon=True,
             )
             pump.start()
@@ -377,6 +392,10 @@ class WorkerGroup:
         for worker in self.workers if workers is None else workers:
             for pump in worker.pumps:
                 pump.join(max(0.0, deadline - time.monotonic()))
+        if workers is None:
+            for filtered in self._filtered.values():
+                with filtered.lock:
+                    filtered.file.close()
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
