@@ -96,11 +96,13 @@ def test_nothing_outlives_a_sigkilled_agent(tmp_path: Path, recovery: Recovery) 
     "Worker fails, its children of every kind still running",
     expected="the restarted attempt starts with nothing of the first left running",
 )
-def test_a_restart_leaves_nothing_of_the_attempt_before(tmp_path: Path) -> None:
+def test_a_restart_leaves_nothing_of_the_attempt_before(tmp_path: Path, recovery: Recovery) -> None:
     agent = start_job(tmp_path, "--max-restarts", "1", then="fail-once")
     try:
         first = spawned(tmp_path, 0)
+        began = time.monotonic()
         spawned(tmp_path, 1)
+        recovery.seconds = round(time.monotonic() - began, 2)
         assert left_after(first, timeout=0) == [], (tmp_path / "agent.log").read_text()
     finally:
         agent.kill()
@@ -112,12 +114,13 @@ def test_a_restart_leaves_nothing_of_the_attempt_before(tmp_path: Path) -> None:
     "Workers succeed, leaving children of every kind running",
     expected="the agent exits 0 at once, and nothing the workers started is left",
 )
-def test_the_end_of_the_job_leaves_nothing(tmp_path: Path) -> None:
+def test_the_end_of_the_job_leaves_nothing(tmp_path: Path, recovery: Recovery) -> None:
     agent = start_job(tmp_path, then="exit0")
     try:
         pids = spawned(tmp_path, 0)
         began = time.monotonic()
         assert agent.wait(timeout=30) == 0, (tmp_path / "agent.log").read_text()
+        recovery.seconds = round(time.monotonic() - began, 2)
         # The children held the workers' stdout: the agent did not wait for them.
         assert time.monotonic() - began < 8, (tmp_path / "agent.log").read_text()
     finally:
@@ -131,15 +134,20 @@ def test_the_end_of_the_job_leaves_nothing(tmp_path: Path) -> None:
     expected="the workers die with it, what they started is stopped by the agent, and a "
     "new keeper starts the restarted workers",
 )
-def test_a_killed_keeper_is_replaced_and_leaves_nothing(tmp_path: Path) -> None:
+def test_a_killed_keeper_is_replaced_and_leaves_nothing(tmp_path: Path, recovery: Recovery) -> None:
     agent = start_job(tmp_path, "--max-restarts", "1")
     try:
         first = spawned(tmp_path, 0)
         (keeper,) = children(agent.pid)
+        began = time.monotonic()
         subprocess.run(["kill", "-KILL", str(keeper)], check=True, timeout=10)
         second = spawned(tmp_path, 1)
+        recovery.seconds = round(time.monotonic() - began, 2)
         assert left_after(first) == [], (tmp_path / "agent.log").read_text()
-        assert "keeper process" in (tmp_path / "agent.log").read_text()
+        log = (tmp_path / "agent.log").read_text()
+        assert "keeper process" in log
+        # Stopped with the failed group, not only when the next keeper starts.
+        assert "the workers had left running" in log.split("keeper process")[0], log
         agent.kill()
         agent.wait(timeout=30)
         assert left_after(second) == []

@@ -338,8 +338,11 @@ class Keeper:
         if not self.gone:
             with contextlib.suppress(KeeperGone):
                 return int(self._request({"op": "sweep"})["killed"])
-        # The keeper was killed: its orphans came to the agent, a subreaper too.
-        return kill_children(spare=(self.process.pid,))
+        # The keeper was killed: its orphans come to the agent, a subreaper too. Its socket
+        # closes before the kernel hands its children on: reap it first, then they are ours.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(_KILL_BOUND)
+        return kill_children()
 
     def pump(self, timeout: float = 0.0) -> None:
         """Read what the keeper sent within ``timeout`` seconds (0: only what is there)."""
