@@ -180,18 +180,20 @@ def run(directory: Path) -> int:
         port = free_port()
         a = Node("a", node_command("a", directory, port))
         nodes.append(a)
-        seen = a.wait_for("world size 2")
+        # The workers' lines: "learning rate ... x world size N" once they train at N (the
+        # agent's own round lines name the world size too, before the workers start).
+        seen = a.wait_for("per worker x world size 2")
         print("demo: node a trains alone; starting node b", flush=True)
         b = Node("b", node_command("b", directory, port))
         nodes.append(b)
-        seen = a.wait_for("world size 4", seen)
+        seen = a.wait_for("per worker x world size 4", seen)
         # Two loss lines, 25 steps apart, as are the checkpoints: the first of those taken
         # at world size 4 is written when the second line comes (a save waits for the last).
         seen = a.wait_for(" loss ", a.wait_for(" loss ", seen) + 1)
         print("demo: both nodes train at world size 4; killing node b (SIGKILL)", flush=True)
         b.process.kill()
         b.exit_code()
-        seen = a.wait_for("world size 2", seen)
+        seen = a.wait_for("per worker x world size 2", seen)
         code = a.exit_code()
         if code != 0:
             raise DemoFailed(f"node a exited {code}")

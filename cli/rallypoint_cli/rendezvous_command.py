@@ -1,4 +1,5 @@
-"""``rallypoint rendezvous status``: a job's rendezvous as its store holds it."""
+"""``rallypoint rendezvous status`` and ``clear``: a job's rendezvous as its store holds it,
+and removing it from the store."""
 
 from __future__ import annotations
 
@@ -6,13 +7,46 @@ import json
 
 import typer
 
-from rallypoint.config import parse_options
+from rallypoint.config import check_run_id, parse_options
+from rallypoint.errors import UsageError
 from rallypoint.extensions import RendezvousRequest
 from rallypoint.plugins import PluginManager
 from rallypoint.registry import RENDEZVOUS_BACKENDS
+from rallypoint.rendezvous import torch_keys
 from rallypoint.rendezvous.handlers import connect
-from rallypoint.rendezvous.protocol import Keys, Settings
+from rallypoint.rendezvous.protocol import Keys, Settings, current_generation, inspect_run
 from rallypoint.rendezvous.status import read_status
+from rallypoint.rendezvous.store import CoordinationStore
+
+
+def _open(
+    pm: PluginManager, rdzv_backend: str, rdzv_endpoint: str, rdzv_id: str, rdzv_conf: str
+) -> tuple[CoordinationStore, Keys, Settings]:
+    """A read-only client of the job's store, the job's keys and settings."""
+    check_run_id(rdzv_id)
+    backend = pm.registry.get(RENDEZVOUS_BACKENDS, rdzv_backend)
+    conf_text, _ = torch_keys.translate(
+        rdzv_conf, {o.name for o in backend.options}, backend.torch_keys, backend.name
+    )
+    conf = parse_options(conf_text, backend.options, "--rdzv-conf", f"the {backend.name} backend")
+    request = RendezvousRequest(rdzv_id, rdzv_endpoint, conf, viewer=True)
+    settings = Settings.from_conf(1, 1, conf)
+    return connect(backend, request), Keys(settings.prefix, rdzv_id), settings
+
+
+BACKEND = typer.Option("c10d", "--rdzv-backend", "--rdzv_backend")
+ENDPOINT = typer.Option(..., "--rdzv-endpoint", "--rdzv_endpoint")
+RUN_ID = typer.Option(..., "--rdzv-id", "--rdzv_id")
+CONF = typer.Option("", "--rdzv-conf", "--rdzv_conf")
+
+#: What each condition of a run means, after its round line.
+_CONDITIONS = {
+    "forming": "forming",
+    "running": "running",
+    "failed": "failed",
+    "abandoned": "abandoned: no agent of it is alive (it failed or was killed); starting "
+    "the job again begins afresh, or clear it with rallypoint rendezvous clear",
+}
 
 
 def register(app: typer.Typer, pm: PluginManager) -> None:
@@ -20,22 +54,15 @@ def register(app: typer.Typer, pm: PluginManager) -> None:
 
     @group.command("status")
     def status(
-        rdzv_backend: str = typer.Option("c10d", "--rdzv-backend", "--rdzv_backend"),
-        rdzv_endpoint: str = typer.Option(..., "--rdzv-endpoint", "--rdzv_endpoint"),
-        rdzv_id: str = typer.Option(..., "--rdzv-id", "--rdzv_id"),
-        rdzv_conf: str = typer.Option("", "--rdzv-conf", "--rdzv_conf"),
+        rdzv_backend: str = BACKEND,
+        rdzv_endpoint: str = ENDPOINT,
+        rdzv_id: str = RUN_ID,
+        rdzv_conf: str = CONF,
         as_json: bool = typer.Option(False, "--json", help="Print JSON for tools."),
     ) -> None:
         """Current round, members with their ranks, waiting nodes and heartbeats."""
-        backend = pm.registry.get(RENDEZVOUS_BACKENDS, rdzv_backend)
-        conf = parse_options(
-            rdzv_conf, backend.options, "--rdzv-conf", f"the {backend.name} backend"
-        )
-        request = RendezvousRequest(rdzv_id, rdzv_endpoint, conf, viewer=True)
-        settings = Settings.from_conf(1, 1, conf)
-        store = connect(backend, request)
+        store, keys, settings = _open(pm, rdzv_backend, rdzv_endpoint, rdzv_id, rdzv_conf)
         try:
-            keys = Keys(settings.prefix, rdzv_id)
             report = read_status(store, keys, rdzv_id, settings.heartbeat_timeout)
         finally:
             store.close()
@@ -45,8 +72,10 @@ def register(app: typer.Typer, pm: PluginManager) -> None:
         if report["round"] is None:
             typer.echo(f"run {rdzv_id}: no rendezvous in this store")
             return
-        state = "forming" if report["forming"] else "running"
-        typer.echo(f"run {rdzv_id}: round {report['round']} ({state}), master {report['master']}")
+        condition = _CONDITIONS[report["condition"]]
+        typer.echo(
+            f"run {rdzv_id}: round {report['round']} ({condition}), master {report['master']}"
+        )
         for member in report["members"]:
             health = "alive" if member["alive"] else "NO HEARTBEAT"
             typer.echo(
@@ -56,5 +85,46 @@ def register(app: typer.Typer, pm: PluginManager) -> None:
         if report["error"]:
             typer.echo(f"  the round failed: {report['error']}")
         typer.echo(f"  waiting to join: {report['waiting']}")
+
+    @group.command("clear")
+    def clear(
+        rdzv_backend: str = BACKEND,
+        rdzv_endpoint: str = ENDPOINT,
+        rdzv_id: str = RUN_ID,
+        rdzv_conf: str = CONF,
+        force: bool = typer.Option(
+            False, "--force", help="Clear it even while agents of the run are alive."
+        ),
+    ) -> None:
+        """Delete a run's records from the store (every attempt of it). Refused while an
+        agent of the run is alive, unless --force."""
+        if pm.registry.get(RENDEZVOUS_BACKENDS, rdzv_backend).name in ("c10d", "static"):
+            raise UsageError(
+                f"--rdzv-backend {rdzv_backend}: its store lives in the agent that hosts it "
+                "and ends with it; there is nothing to clear."
+            )
+        store, keys, settings = _open(pm, rdzv_backend, rdzv_endpoint, rdzv_id, rdzv_conf)
+        try:
+            delete = getattr(store, "delete_prefix", None)
+            if delete is None:
+                raise UsageError(
+                    f"--rdzv-backend {rdzv_backend}: its store cannot delete keys by prefix; "
+                    "there is no way to clear a run from it."
+                )
+            current = current_generation(store, keys)
+            sample = settings.heartbeat_timeout
+            gone, _ = inspect_run(store, current, lambda s, key: s.alive(key, sample))
+            has_records = store.get(current.state()) is not None or (
+                store.get(current.of_round(0, "joined")) is not None
+            )
+            if has_records and gone is None and not force:
+                raise UsageError(
+                    f"run {rdzv_id}: agents of it are alive; stop them first, or give --force "
+                    "(their rendezvous would break)."
+                )
+            deleted = sum(delete(prefix) for prefix in keys.prefixes)
+        finally:
+            store.close()
+        typer.echo(f"run {rdzv_id}: cleared ({deleted} keys deleted)")
 
     app.add_typer(group, name="rendezvous")

@@ -80,23 +80,26 @@ class Backend:
 
     def keys(self, run_id: str) -> list[str]:
         """The keys of ``run_id`` still in the store (c10d's store went with its host), under
-        each backend's default prefix (etcd ``/rallypoint``, Redis ``rallypoint``)."""
+        each backend's default prefix (etcd ``/rallypoint``, Redis ``rallypoint``), of every
+        generation of the run (``<run id>/...``, ``<run id>~...``)."""
         if isinstance(self.server, EtcdServer):
             import pyetcd
 
-            prefix = f"/rallypoint/{run_id}/"
+            prefix = f"/rallypoint/{run_id}"
             client = pyetcd.client("127.0.0.1", self.server.client_port, timeout=10)
             try:
-                return [meta.key.decode() for _, meta in client.get_prefix(prefix)]
+                found = [meta.key.decode() for _, meta in client.get_prefix(prefix)]
             finally:
                 client.close()
-        if isinstance(self.server, RedisServer):
+        elif isinstance(self.server, RedisServer):
             import redis
 
-            prefix = f"rallypoint/{run_id}/"
+            prefix = f"rallypoint/{run_id}"
             with redis.Redis(port=self.server.port, socket_timeout=10) as client:
-                return [key.decode() for key in client.keys(prefix + "*")]
-        return []
+                found = [key.decode() for key in client.keys(prefix + "*")]
+        else:
+            return []
+        return [key for key in found if key[len(prefix) : len(prefix) + 1] in ("/", "~")]
 
     def freeze(self) -> None:
         """SIGSTOP the store's server: connections stay open, nothing answers."""

@@ -283,6 +283,9 @@ def test_a_record_no_node_can_use_is_one_clear_error(
         stores.write(keys.of_round(0, "joined"), b"1")
         leader = value if case.where == "leader" else node_record("ghost", stores.run_id)
         stores.write(keys.of_round(0, "node", 1), leader)
+        # The ghost leader is alive: a run whose agents are all gone is set aside, unread.
+        ghost = stores.connect()
+        ghost.keep_alive(keys.heartbeat("ghost"), 60)
         if case.where == "closed":
             stores.write(keys.of_round(0, "closed"), value)
     node = stores.node("a", 1, 2)

@@ -57,6 +57,7 @@ from rallypoint.plugins import PluginManager
 from rallypoint.registry import METRICS_SINKS, RESTART_POLICIES
 from rallypoint.rendezvous.handler import Assignment, RendezvousHandler
 from rallypoint.rendezvous.handlers import create_handler, node_address
+from rallypoint.rendezvous.protocol import RendezvousTimeout
 from rallypoint.worker_channel import Receiver
 from rallypoint.worker_errors import error_record
 
@@ -186,7 +187,7 @@ class Agent:
         restarts = 0  # failures recovered from; membership changes do not count
         attempt = 0  # every start of the workers, whatever the cause
         uptimes: list[float] = []
-        nodes: int | None = None
+        previous: RoundInfo | None = None
         # A failure of a multi-node round's workers, until the next round tells whether a
         # node of it was lost (then it was that loss: a membership change, never refused).
         pending: _Failure | None = None
@@ -194,29 +195,19 @@ class Agent:
         while True:
             self.bus.emit(events.RENDEZVOUS_STARTED, restart_count=restarts)
             began = time.monotonic()
-            assignment = self._next_round()
+            try:
+                assignment = self._next_round()
+            except RendezvousTimeout as error:
+                if pending is not None:  # the failure was the loss of nodes, too many
+                    self._report_lost(pending, error)
+                raise
             if assignment is None:
                 assert self.signalled is not None
                 logger.info("received %s while in the rendezvous: leaving", self.signalled.name)
                 return 128 + int(self.signalled), f"stopped by {self.signalled.name}"
             info = assignment.info
-            took = time.monotonic() - began
-            self.bus.emit(events.RENDEZVOUS_COMPLETED, **asdict(info), duration_seconds=took)
-            self._nodes_waiting = 0  # they are in this round
-            if info.group_world_size > 1:
-                logger.info(
-                    "round %d: %d nodes, world size %d, this node is group rank %d (%.2f s)",
-                    info.round,
-                    info.group_world_size,
-                    info.world_size,
-                    info.group_rank,
-                    took,
-                )
-            if nodes is not None and nodes != info.group_world_size:
-                self.bus.emit(
-                    events.SCALE_CHANGED, old_nodes=nodes, new_nodes=info.group_world_size
-                )
-            nodes = info.group_world_size
+            self._announce_round(info, time.monotonic() - began, previous, pending)
+            previous = info
             if pending is not None:
                 cause = "failure" if pending.decided else self._restart_cause(pending, info)
                 if cause == "failure" and not pending.decided:
@@ -272,6 +263,49 @@ class Agent:
                 pending.decided = True
             self.handler.request_new_round()  # every node restarts its workers with us
 
+    def _announce_round(
+        self,
+        info: RoundInfo,
+        took: float,
+        previous: RoundInfo | None,
+        pending: _Failure | None,
+    ) -> None:
+        """The round's events, and its line on the console: for every round of a job of
+        several nodes, naming the nodes that joined it and those that left it."""
+        self.bus.emit(events.RENDEZVOUS_COMPLETED, **asdict(info), duration_seconds=took)
+        self._nodes_waiting = 0  # they are in this round
+        if self.config.max_nodes > 1:
+            logger.info(
+                "round %d: %d node%s, world size %d, this node is group rank %d (%.2f s)",
+                info.round,
+                info.group_world_size,
+                "" if info.group_world_size == 1 else "s",
+                info.world_size,
+                info.group_rank,
+                took,
+            )
+        if previous is None:
+            return
+        before, now = set(previous.members), set(info.members)
+        joined = [node for node in info.members if node not in before]
+        left = [node for node in previous.members if node not in now]
+        if joined:
+            logger.info("node %s joined the job", ", ".join(joined))
+        if left and pending is None:  # else the failure's cause names them
+            logger.info(
+                "node %s left the job (it stopped, or its heartbeat lapsed)", ", ".join(left)
+            )
+        if len(before) != len(now):
+            self.bus.emit(events.SCALE_CHANGED, old_nodes=len(before), new_nodes=len(now))
+
+    def _report_lost(self, failure: _Failure, error: RendezvousTimeout) -> None:
+        """The workers failed, and the next round could not form: nodes of the round were
+        lost, too many to go on. The report says so, before the gloo error it caused."""
+        gone = getattr(self.handler, "gone", None)
+        lost = tuple(gone(failure.members)) if gone is not None else ()
+        report = replace(failure.report, lost_nodes=lost)
+        self._report(report, f"the next round could not form: {error}")
+
     def _ask_policy(
         self, failure: _Failure, restarts: int, uptimes: list[float]
     ) -> tuple[int, str] | None:
@@ -292,6 +326,9 @@ class Agent:
         root = _root(report)
         if not decision.restart:
             self._report(report, decision.reason)
+            fail = getattr(self.handler, "fail", None)
+            if fail is not None and config.max_nodes > 1:
+                fail(f"{root}; {decision.reason}")  # the other nodes stop too
             return EXIT_WORKER_FAILURE, f"{root}; {decision.reason}"
         logger.info(
             "%s; restart %d of %d%s",

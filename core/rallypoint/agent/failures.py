@@ -42,6 +42,9 @@ class FailureReport:
     traceback: str
     failures: tuple[WorkerFailure, ...]
     error_file: str = ""  # the root cause's TORCHELASTIC_ERROR_FILE
+    #: Nodes of the round that were lost (no heartbeat) when its workers failed: the
+    #: first cause, the workers' errors ("Connection closed by peer") its consequence.
+    lost_nodes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -50,6 +53,7 @@ class FailureReport:
             "restart_count": self.restart_count,
             "max_restarts": self.max_restarts,
             "root_cause": {**asdict(self.root), "traceback": self.traceback},
+            "lost_nodes": list(self.lost_nodes),
             "failures": [asdict(failure) for failure in self.failures],
         }
 
@@ -59,9 +63,16 @@ class FailureReport:
         lines = [
             f"workers failed in run {self.run_id} "
             f"(attempt {self.restart_count}, --max-restarts {self.max_restarts})",
-            f"  root cause: rank {root.rank} (local rank {root.local_rank}) on {self.host}, "
-            f"pid {root.pid}: {describe_exit(root)}",
         ]
+        if self.lost_nodes:
+            lines.append(
+                f"  root cause: node {', '.join(self.lost_nodes)} of the round was lost (no "
+                "heartbeat); this node's workers failed after it:"
+            )
+        lines.append(
+            f"  {'then' if self.lost_nodes else 'root cause'}: rank {root.rank} (local rank "
+            f"{root.local_rank}) on {self.host}, pid {root.pid}: {describe_exit(root)}"
+        )
         if root.message:
             lines.append(f"  error: {root.message}")
         if self.traceback:

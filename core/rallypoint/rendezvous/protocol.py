@@ -37,14 +37,15 @@ in the store. A run that did not finish cleanly keeps its keys: a node may come 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rallypoint.errors import RallypointError
+from rallypoint.errors import RallypointError, UsageError
 from rallypoint.events import RoundInfo
 from rallypoint.extensions import NodeSpec, RankAssigner
 from rallypoint.rendezvous import records
@@ -107,14 +108,30 @@ class Settings:
 
 
 class Keys:
-    """Where a run keeps what, under ``<prefix>/<run id>/``."""
+    """Where a run keeps what, under ``<prefix>/<run id>/`` (generation 0), or
+    ``<prefix>/<run id>~<generation>/`` once the run id was started afresh after every
+    agent of it had gone (``~`` is in no run id, so no other job's keys look alike)."""
 
-    def __init__(self, prefix: str, run_id: str) -> None:
+    def __init__(self, prefix: str, run_id: str, generation: int = 0) -> None:
+        self.prefix = prefix
         self.run_id = run_id  # written into every node and round record
-        self.root = f"{prefix.rstrip('/')}/{run_id}/"
+        base = f"{prefix.rstrip('/')}/{run_id}"
+        self.generation = generation
+        self.root = f"{base}/" if generation == 0 else f"{base}~{generation}/"
+        #: The run's current generation (absent: 0), outside every generation's keys.
+        self.generation_key = f"{base}~generation"
+        #: Every key of the run, all generations, starts with one of these.
+        self.prefixes = (f"{base}/", f"{base}~")
+
+    def at(self, generation: int) -> Keys:
+        """The same run's keys in ``generation``."""
+        return Keys(self.prefix, self.run_id, generation)
 
     def state(self) -> str:
         return self.root + "state"
+
+    def failed(self) -> str:
+        return self.root + "failed"
 
     def of_round(self, round_: int, *parts: object) -> str:
         return self.root + "/".join(str(p) for p in (round_, *parts))
@@ -149,6 +166,8 @@ class StoreRendezvous:
         self.nproc = nproc_per_node
         self.assigner = assigner
         self.settings = settings
+        low, high = settings.min_nodes, settings.max_nodes
+        self._nnodes = str(low) if low == high else f"{low}:{high}"  # as --nnodes says it
         # Given (the static backend), else group rank 0's host and a free port it holds.
         self.master_addr = master_addr
         self.master_port = master_port
@@ -167,6 +186,8 @@ class StoreRendezvous:
         # store for longer than heartbeat_timeout, so neither, maybe, could the others.
         self._grace_until = 0.0
         self._finished: int | None = None  # the round whose exit barrier every member passed
+        # As the leader of a new job's round: the round and when its last call ends.
+        self._last_call: tuple[int, float] | None = None
         # The join deadline while next_round waits (written by next_round only).
         self._joining: float | None = None
         # The heartbeat thread's own connection, opened now rather than inside next_round:
@@ -207,6 +228,10 @@ class StoreRendezvous:
         self._watch = None  # the previous round's ring no longer applies
         deadline = time.monotonic() + self.settings.join_timeout
         self._joining = deadline
+        if self.round is None and self._heartbeat is None:
+            self.keys = settle_generation(self.store, self.keys, self._alive_key, self._nnodes)
+        elif self.round is not None:
+            self._check_failed()  # a later round: did a node fail the job meanwhile?
         self._start_heartbeats()
         # The round after this node's last (or 0): joining it also reads the job's round,
         # and moves on to that one if the job is further on.
@@ -241,6 +266,42 @@ class StoreRendezvous:
         if self.round is None:
             return 0
         return 1 if self._round_ended >= self.round else 0
+
+    def gone(self, node_ids: Sequence[str]) -> list[str]:
+        """Those of ``node_ids`` (a round's members) that did not join the round this node
+        last waited in: lost, or gone. Read from the joiners' records, so that a store
+        whose liveness takes time to read (TCPStore's counters) answers at once."""
+        round_ = self._last_joined
+        if round_ is None:
+            return []
+        count = self.store.add(self.keys.of_round(round_, "joined"), 0)
+        keys = [self.keys.of_round(round_, "node", i) for i in range(1, count + 1)]
+        joined = {
+            node.node_id
+            for key, raw in zip(keys, self.store.get_many(keys) if keys else [], strict=True)
+            if (node := _node_or_none(key, raw)) is not None
+        }
+        return [node for node in node_ids if node not in joined and node != self.node.node_id]
+
+    def fail(self, reason: str) -> None:
+        """This node's workers failed and its restart policy gave up: the job fails, on
+        every node. Without this the others, whose workers were stopped for the round
+        this node ended, would see it leave and go on without it as after a node's loss."""
+        record = json.dumps({"node": self.node.node_id, "reason": reason}).encode()
+        with contextlib.suppress(StoreError):  # leaving tells the others it went, at least
+            self.store.set(self.keys.failed(), record)
+
+    def _check_failed(self) -> None:
+        """Stop when another node failed the job (``fail``)."""
+        raw = self.store.get(self.keys.failed())
+        if raw is None:
+            return
+        try:
+            data = json.loads(raw)
+            node, reason = str(data["node"]), str(data["reason"])
+        except (ValueError, KeyError, TypeError):
+            node, reason = "?", raw.decode("utf-8", "replace")[:200]
+        raise RendezvousFailed(f"the job failed on node {node}: {reason}")
 
     def request_new_round(self) -> None:
         """After a local failure: end the round so that every node restarts its workers."""
@@ -319,6 +380,8 @@ class StoreRendezvous:
             )
             return
         deleted = delete(self.keys.root)
+        if self.keys.generation:
+            delete(self.keys.generation_key)  # a key of its own: the run leaves nothing
         logger.debug("deleted the %d keys of the finished run under %s", deleted, self.keys.root)
 
     def _join(self, round_: int, deadline: float) -> records.RoundRecord:
@@ -344,6 +407,7 @@ class StoreRendezvous:
             labels=dict(self.node.labels),
             previous_rank=self.rank,
             run_id=self.keys.run_id,
+            nnodes=self._nnodes,
         )
         self.store.set(self.keys.of_round(round_, "node", index), records.encode(mine))
         if index == 1:
@@ -412,7 +476,11 @@ class StoreRendezvous:
         """As the first joiner: wait for enough nodes, then close the round; its record."""
         s = self.settings
         keys = self.keys
-        if round_ > 0 and not self._wait_leading(round_, keys.of_round(round_, "open"), deadline):
+        before = self._previous(round_)
+        running = before.node_ids if before is not None else ()
+        if round_ > 0 and not self._wait_leading(
+            round_, keys.of_round(round_, "open"), deadline, running
+        ):
             raise RendezvousTimeout(
                 f"rendezvous round {round_}: the job kept running with its {s.max_nodes} nodes "
                 f"(the maximum) for join_timeout={s.join_timeout:g} s; this node was not needed"
@@ -428,6 +496,7 @@ class StoreRendezvous:
         previous = self._previous(round_)
         if previous is None:
             # A new job: last call for more nodes, closing at once when MAX are in.
+            self._last_call = (round_, time.monotonic() + s.last_call_timeout)
             self.store.wait([keys.of_round(round_, "node", s.max_nodes)], s.last_call_timeout)
             count = min(self.store.add(keys.of_round(round_, "joined"), 0), s.max_nodes)
             nodes = self._joined(round_, count)
@@ -448,10 +517,16 @@ class StoreRendezvous:
         self.store.set(keys.of_round(round_, "closed"), records.encode(record))
         return record
 
-    def _wait_leading(self, round_: int, key: str, deadline: float) -> bool:
+    def _wait_leading(
+        self, round_: int, key: str, deadline: float, running: tuple[str, ...] = ()
+    ) -> bool:
         """As the leader of ``round_``: wait for ``key`` until ``deadline``, and give the
         round up (``_LeaderLost``) if the others ended it meanwhile, taking this node for
-        dead (it could not reach the store for longer than heartbeat_timeout)."""
+        dead (it could not reach the store for longer than heartbeat_timeout).
+
+        ``running``: the members of the full round this one waits to follow; when none
+        of them is alive any more (a job whose agents were all killed, run again before
+        their liveness lapsed), nobody is left to end that round: this node ends it."""
         while True:
             left = deadline - time.monotonic()
             if self.store.wait([key], max(0.0, min(left, self.settings.heartbeat_timeout / 3))):
@@ -460,6 +535,14 @@ class StoreRendezvous:
                 return False
             if self._ended(round_):
                 raise _LeaderLost()
+            if running and not any(self._alive(self.store, node) for node in running):
+                logger.info(
+                    "rendezvous round %d: no member of the round before it is alive: "
+                    "starting it without them",
+                    round_,
+                )
+                self._advance(round_ - 1, 0)
+                running = ()
 
     def _ended(self, round_: int) -> bool:
         """Whether the job has moved past ``round_`` (one read of the state)."""
@@ -468,9 +551,12 @@ class StoreRendezvous:
     def _alive(self, store: CoordinationStore, node_id: str) -> bool:
         """Whether ``node_id`` keeps itself alive; every node counts as alive while this one
         has just come back from a store outage (see ``_note_stall``)."""
+        return self._alive_key(store, self.keys.heartbeat(node_id))
+
+    def _alive_key(self, store: CoordinationStore, key: str) -> bool:
         if time.monotonic() < self._grace_until:
             return True
-        return store.alive(self.keys.heartbeat(node_id), self.settings.heartbeat_timeout)
+        return store.alive(key, self.settings.heartbeat_timeout)
 
     def _note_stall(self, since: float) -> None:
         """A store call of this node, begun at ``since``, only came back now: if that took
@@ -691,18 +777,154 @@ class StoreRendezvous:
         self._advance(round_, size - 1, store)
 
     def _report_progress(self, store: CoordinationStore, deadline: float) -> None:
-        """While this node waits: who has joined, and the time left."""
+        """While this node waits: who has joined its round, and what the round waits for."""
         s = self.settings
-        round_ = records.decode_state(self.keys.state(), store.get(self.keys.state()))
+        state = records.decode_state(self.keys.state(), store.get(self.keys.state()))
+        round_ = max(state, self._last_joined or 0)
+        if round_ > state and store.get(self.keys.of_round(round_, "open")) is None:
+            logger.info(
+                "rendezvous round %d: the job runs with %d nodes (MAX); this node waits for "
+                "room, %.0f s left before join_timeout",
+                round_,
+                s.max_nodes,
+                max(0.0, deadline - time.monotonic()),
+            )
+            return
         joined = store.add(self.keys.of_round(round_, "joined"), 0)
         logger.info(
-            "rendezvous round %d: %d of %d:%d nodes joined; %.0f s left before join_timeout",
-            round_,
-            joined,
-            s.min_nodes,
-            s.max_nodes,
-            max(0.0, deadline - time.monotonic()),
+            "%s", progress_line(round_, joined, s, deadline - time.monotonic(), self._last_call)
         )
+
+
+def progress_line(
+    round_: int,
+    joined: int,
+    settings: Settings,
+    left: float,
+    last_call: tuple[int, float] | None = None,
+) -> str:
+    """What a waiting node prints every PROGRESS_INTERVAL: never a count above MAX (the
+    nodes beyond it wait for a next round), and once MIN are in, what closes the round
+    rather than a join_timeout it no longer waits for."""
+    low, high = settings.min_nodes, settings.max_nodes
+    counted = min(joined, high)
+    line = f"rendezvous round {round_}: {counted} of {low}:{high} nodes joined"
+    if joined > high:
+        line += f" ({joined - high} more wait for a later round)"
+    if counted < low:
+        need = low - counted
+        return f"{line}; waiting for {need} more, {max(0.0, left):.0f} s left before join_timeout"
+    if counted >= high:
+        return f"{line}; closing it"
+    if last_call is not None and last_call[0] == round_:
+        closes = max(0.0, last_call[1] - time.monotonic())
+        return f"{line}, MIN reached; it closes in {closes:.0f} s unless {high - counted} more join"
+    return (
+        f"{line}, MIN reached; it closes when {high} are in, or when the last call ends "
+        f"(last_call_timeout={settings.last_call_timeout:g} s)"
+    )
+
+
+# --- a run id used again -----------------------------------------------------------------
+
+
+def current_generation(store: CoordinationStore, keys: Keys) -> Keys:
+    """The run's keys in its current generation."""
+    raw = store.get(keys.generation_key)
+    return keys.at(records.decode_int(keys.generation_key, raw) if raw else 0)
+
+
+def settle_generation(
+    store: CoordinationStore,
+    keys: Keys,
+    alive: Callable[[CoordinationStore, str], bool],
+    nnodes: str = "",
+) -> Keys:
+    """The keys a node joining the run for the first time uses.
+
+    A scheduler that restarts a job (a Kubernetes Job, a Slurm requeue, a user running the
+    command again) starts new agents under the same run id. If no agent of the run's
+    current generation is alive (no live lease, key or heartbeat), its records are of a
+    run that failed or was killed: counting them would make the new agents wait for dead
+    nodes. The run id then starts afresh in the next generation (one compare-and-set, so
+    that every new agent lands in the same one), and the dead generation's keys are
+    deleted. A run with a live agent is joined as before, unless its agents were started
+    with another ``--nnodes`` (``nnodes``, "MIN:MAX"): that is a job started by mistake
+    under a live run's id, refused in one sentence.
+    """
+    while True:
+        raw = store.get(keys.generation_key)
+        current = keys.at(records.decode_int(keys.generation_key, raw) if raw else 0)
+        gone, theirs = inspect_run(store, current, alive)
+        if gone is None:
+            if nnodes and theirs and theirs != nnodes:
+                raise UsageError(
+                    f"--rdzv-id {keys.run_id!r} is the id of a running job of --nnodes "
+                    f"{theirs}, and this agent has --nnodes {nnodes}: give this job its own "
+                    "--rdzv-id, or stop that one first."
+                )
+            return current
+        following = _int(current.generation + 1)
+        if store.compare_set(keys.generation_key, raw, following) == following:
+            logger.info(
+                "run %s: no agent of its last attempt is alive (%s): starting it afresh",
+                keys.run_id,
+                gone,
+            )
+            delete = getattr(store, "delete_prefix", None)
+            if delete is not None:
+                delete(current.root)
+
+
+#: How many of a dead run's join records a new node reads to be sure none of them lives.
+_MOST_CHECKED = 100_000
+
+
+def inspect_run(
+    store: CoordinationStore, keys: Keys, alive: Callable[[CoordinationStore, str], bool]
+) -> tuple[str | None, str]:
+    """Whether the run at ``keys`` was abandoned: how it was left when none of its agents
+    (its last round's members, the joiners of the round it is in) is alive, else None
+    (no records, or an agent of it lives); and its ``--nnodes`` where a record says.
+    ``alive(store, key)``: whether a heartbeat key is kept. A live run answers in a few
+    reads: its first joiner is usually alive."""
+    state = store.get(keys.state())
+    round_ = records.decode_state(keys.state(), state)
+    first = keys.of_round(round_, "node", 1)
+    leader = _node_or_none(first, store.get(first))
+    nnodes = leader.nnodes if leader else ""
+    if leader is None and round_ == 0:
+        return None, nnodes  # a new run, or one whose first joiner is writing its record
+    if leader is not None and alive(store, keys.heartbeat(leader.node_id)):
+        return None, nnodes
+    candidates = [leader.node_id] if leader else []
+    for closed in (round_, round_ - 1):
+        raw = store.get(keys.of_round(closed, "closed")) if closed >= 0 else None
+        if raw:
+            with contextlib.suppress(StoreError):
+                candidates += records.decode_round(keys.of_round(closed, "closed"), raw).node_ids
+            break
+    joined = min(store.add(keys.of_round(round_, "joined"), 0), _MOST_CHECKED)
+    others = [keys.of_round(round_, "node", i) for i in range(2, joined + 1)]
+    for key, raw in zip(others, store.get_many(others) if others else [], strict=True):
+        node = _node_or_none(key, raw)
+        if node is not None:
+            candidates.append(node.node_id)
+            nnodes = nnodes or node.nnodes
+    for node_id in dict.fromkeys(candidates):
+        if alive(store, keys.heartbeat(node_id)):
+            return None, nnodes
+    return f"round {round_}, {len(set(candidates))} nodes, none with a heartbeat", nnodes
+
+
+def _node_or_none(key: str, raw: bytes | None) -> records.NodeRecord | None:
+    """A joiner's record, or None for an absent, void (empty) or unreadable one."""
+    if not raw:
+        return None
+    try:
+        return records.decode_node(key, raw)
+    except StoreError:
+        return None
 
 
 def _int(value: int) -> bytes:

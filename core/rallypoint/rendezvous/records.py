@@ -34,6 +34,7 @@ class NodeRecord:
     labels: dict[str, str] = field(default_factory=dict)
     previous_rank: int | None = None
     run_id: str = ""  # the job's; a record read under another job's keys is refused
+    nnodes: str = ""  # the agent's --nnodes MIN:MAX: a job of another shape is refused
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,7 @@ def _node(key: str, data: Any) -> NodeRecord:
             labels={str(k): str(v) for k, v in dict(data.get("labels") or {}).items()},
             previous_rank=None if data.get("previous_rank") is None else int(data["previous_rank"]),
             run_id=str(data["run_id"]),
+            nnodes=str(data.get("nnodes") or ""),
         )
     except (KeyError, TypeError, ValueError) as error:
         raise StoreError(f"rendezvous record {key!r} is malformed: {error!r}") from None
@@ -161,9 +163,12 @@ def _node(key: str, data: Any) -> NodeRecord:
 
 
 def _check_owner(key: str, run_id: str, tail: str) -> None:
-    """A record under ``<prefix>/<run id>/<tail>`` must name that run id: one that names
-    another was written for another job, and using it would mix the two jobs up."""
-    if not key.endswith(f"/{run_id}/{tail}"):
+    """A record under ``<prefix>/<run id>/<tail>`` (or ``<run id>~<generation>/``) must
+    name that run id: one that names another was written for another job, and using it
+    would mix the two jobs up."""
+    owner = key[: -len(tail) - 1] if key.endswith(f"/{tail}") else ""
+    run, _, generation = owner.rsplit("/", 1)[-1].partition("~")
+    if run != run_id or (generation and not generation.isdigit()):
         raise StoreError(
             f"rendezvous record {key!r} belongs to run {run_id[:80]!r}, not to the run "
             "whose key it is under; another program wrote it there (remove it, or give "

@@ -6,24 +6,28 @@ import time
 from typing import Any
 
 from rallypoint.rendezvous import records
-from rallypoint.rendezvous.protocol import Keys
+from rallypoint.rendezvous.protocol import Keys, current_generation, inspect_run
 from rallypoint.rendezvous.store import CoordinationStore, CounterLiveness
 
 
 def read_status(
     store: CoordinationStore, keys: Keys, run_id: str, heartbeat_timeout: float
 ) -> dict[str, Any]:
-    """The current round, its members by group rank, nodes waiting for the next round, and
-    whether each member is alive.
+    """The current round, its members by group rank, nodes waiting for the next round,
+    whether each member is alive, and the run's condition: ``forming``, ``running``,
+    ``failed`` (the round's leader could not form it) or ``abandoned`` (no agent of it is
+    alive: it failed or was killed; its next start begins afresh); ``None`` when the store
+    holds nothing of the run (it never started, or finished cleanly and left nothing).
 
     A store that keeps liveness with counters (TCPStore) can only tell by watching them
     move, so this takes ``heartbeat_timeout / 3`` and a little more on such a store; a
     store with leases or expiring keys (etcd, Redis) answers at once.
     """
+    keys = current_generation(store, keys)
     raw_state = store.get(keys.state())
     # A job in its first round has no state key: it is in round 0 if a node joined that.
     if raw_state is None and store.get(keys.of_round(0, "joined")) is None:
-        return {"run_id": run_id, "round": None, "members": [], "waiting": 0}
+        return {"run_id": run_id, "round": None, "members": [], "waiting": 0, "condition": None}
     round_ = records.decode_state(keys.state(), raw_state)
     closed_key = keys.of_round(round_, "closed")
     raw_closed = store.get(closed_key)
@@ -40,10 +44,22 @@ def read_status(
         time.sleep(sample)
     alive = {node_id: store.alive(keys.heartbeat(node_id), sample) for node_id in members}
     joined_now = store.add(keys.of_round(round_, "joined"), 0)
+    forming = raw_closed is None or (record is not None and record.round != round_)
+    gone, _ = inspect_run(store, keys, lambda s, key: s.alive(key, sample))
+    failed = store.get(keys.failed())
+    if failed is not None or (record is not None and record.error and record.round == round_):
+        condition = "failed"
+    elif gone is not None:
+        condition = "abandoned"
+    else:
+        condition = "forming" if forming else "running"
     return {
         "run_id": run_id,
+        "generation": keys.generation,
+        "condition": condition,
+        "abandoned": gone,
         "round": round_,
-        "forming": raw_closed is None or (record is not None and record.round != round_),
+        "forming": forming,
         "completed_round": record.round if record else None,
         "master": f"{record.master_addr}:{record.master_port}" if record else None,
         "error": record.error if record else "",
