@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
-from rallypoint import checkpoint, record
+from rallypoint import checkpoint, metrics, record
 from rallypoint.data import ElasticSampler
 
 
@@ -152,6 +152,13 @@ def main() -> None:
             optimizer.step()
             sampler.advance(args.batch_size)  # every rank took a batch: the job moved on
             step += 1
+            # The metrics the Grafana dashboard shows (recorded only under --metrics).
+            took = time.monotonic() - step_began
+            metrics.step(step)
+            metrics.loss(loss.item())
+            metrics.samples(len(labels))
+            metrics.samples_per_second(len(labels) / took if took > 0 else 0.0)
+            metrics.step_time(took)
             if step % args.log_every == 0:
                 log(f"epoch {epoch:2d}  step {step:4d}  loss {loss.item():.4f}")
             if store is not None and step % args.save_every == 0:

@@ -184,3 +184,33 @@ def test_without_the_plugin_prometheus_is_an_unknown_sink(tmp_path: Path) -> Non
         "--metrics 'prometheus': unknown metrics sink. Choose one of: jsonl, log." in result.stderr
     ), result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_the_digits_example_feeds_every_training_panel_of_the_dashboard(tmp_path: Path) -> None:
+    """docs/monitoring.md says so: run the example with --metrics prometheus and every
+    worker metric the dashboard reads is served."""
+    from test_prometheus_rules import dashboard_expressions, metric_names
+
+    pytest.importorskip("sklearn")
+    example = Path(__file__).resolve().parents[3] / "examples" / "train_digits.py"
+    wanted = {
+        name.removesuffix("_bucket")
+        for expr in dashboard_expressions()
+        for name in metric_names(expr)
+        if name.startswith("rallypoint_training_")
+    }
+    assert "rallypoint_training_samples_per_second" in wanted
+    job = Job(
+        "--nproc-per-node", "2", "--metrics", "prometheus", "--metrics-port", "0",
+        str(example), "--epochs", "50", "--step-seconds", "0.05",
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{job.metrics_port()}/metrics"
+
+        def served() -> set[str]:
+            text = fetch(url)
+            return {line.split("{")[0].removesuffix("_bucket") for line in text.splitlines()}
+
+        assert wait_until(lambda: wanted <= served(), 120), (wanted - served(), job.output)
+    finally:
+        job.stop()

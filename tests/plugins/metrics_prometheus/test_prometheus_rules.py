@@ -21,6 +21,9 @@ RULE_TESTS = Path(__file__).with_name("rallypoint.rules.test.yml")
 ALERTS = {
     "RallypointRestartsClimbing",
     "RallypointWorldSizeBelowMin",
+    "RallypointAgentsGone",
+    "RallypointNodeLost",
+    "RallypointWaitingForNodes",
     "RallypointRendezvousTooLong",
     "RallypointRendezvousSlow",
     "RallypointNoTrainingProgress",
