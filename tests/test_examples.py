@@ -96,3 +96,29 @@ def test_the_demo_scales_up_and_goes_on_without_a_killed_node(tmp_path: Path) ->
     ]
     assert len(pids) == 8, pids  # a: 3 rounds x 2 workers; b: 1 round x 2
     wait_gone(pids, timeout=10)
+    shown = [line.replace(".demo/", f"{demo}/") for line in readme_demo_output()]
+    assert_shown_in_order(shown, output)
+
+
+def readme_demo_output() -> list[str]:
+    """The lines of the demo's output the README shows."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = text.index("```text", text.index("`make demo` runs two nodes")) + len("```text")
+    return text[start : text.index("```", start)].strip().splitlines()
+
+
+def assert_shown_in_order(shown: list[str], output: str) -> None:
+    """Every shown line is a line of ``output``, in order: numbers, node ids and what the
+    README cut short (``...``) may differ."""
+    lines = output.splitlines()
+    at = 0
+    for line in shown:
+        pattern = re.escape(line).replace(re.escape("..."), ".*")  # where the README cuts
+        pattern = re.sub(r"[a-z]+_\d+_[0-9a-f]{8}", r"\\S+", pattern)  # node ids
+        pattern = re.sub(r"\d+(?:\\\.\d+)?", r"\\d+(?:\\.\\d+)?", pattern)
+        for index in range(at, len(lines)):
+            if re.fullmatch(pattern, lines[index]):
+                at = index + 1
+                break
+        else:
+            raise AssertionError(f"the README's demo line is not in the output: {line}\n{output}")
