@@ -200,22 +200,17 @@ class TCPStoreClient(CounterLiveness):
         return True
 
     def wait_value(self, key: str, timeout: float) -> bytes | None:
-        # TCPStore's own get: it waits for the key and reads it in one call (two round
-        # trips); its timeout, the store's, is set to each slice.
-        store = self._connection()
-
-        def attempt(slice_: datetime.timedelta) -> bytes:
-            store.set_timeout(slice_)
-            return bytes(store.get(key))
-
-        try:
-            value = self._in_slices(timeout, attempt)
-        finally:
-            if self._store is store:
-                store.set_timeout(datetime.timedelta(seconds=self.timeout))
-        if value is not None:
-            self._seen_keys.add(key)
-        return value
+        # A wait, then the non-blocking read: two round trips, like TCPStore's own get,
+        # which under load (a wait cancelled at the end of a short slice) was seen to
+        # answer an empty value for a key nobody had written.
+        deadline = time.monotonic() + timeout
+        while self.wait([key], max(0.0, deadline - time.monotonic())):
+            value = self.get(key)
+            if value is not None:
+                return value
+            if time.monotonic() >= deadline:
+                break
+        return None
 
     def _in_slices(self, timeout: float, attempt: Callable[[datetime.timedelta], T]) -> T | None:
         """``attempt(slice)``, a blocking TCPStore call, until it returns; None once
