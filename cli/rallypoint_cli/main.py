@@ -7,8 +7,11 @@ stderr and a non-zero exit code (2 for usage errors), never as a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sys
+import threading
 from collections.abc import Sequence
 
 import typer
@@ -125,5 +128,17 @@ def _one_line(message: str) -> str:
 
 
 def console_main() -> None:
-    """The console script: ``sys.exit(main())``."""
-    sys.exit(main())
+    """The console script: ``sys.exit(main())``.
+
+    A store thread may still be inside a C++ call when the command ends (a TCPStore
+    reconnecting to an agent that died with the store): finalising the interpreter under it
+    aborts the process (SIGABRT), and the exit code is lost. The agent has stopped its
+    workers and said why by then: with such a thread left, flush and exit at once."""
+    code = main()
+    if any(t.daemon and t.is_alive() for t in threading.enumerate()):
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):  # closed, or a reader gone
+                stream.flush()
+        os._exit(code)
+    sys.exit(code)
