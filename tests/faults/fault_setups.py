@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 import launch
 from launch import wait_for_port
 from servers import (
@@ -33,6 +35,21 @@ CONF = {
     "etcd": COMMON_CONF + ",lease_ttl=3,connect_timeout=5",
     "redis": COMMON_CONF + ",key_ttl=3,retry_timeout=30",
 }
+
+#: Every backend, in the order of docs/reliability.md's columns.
+BACKENDS = ("c10d", "etcd", "redis")
+
+
+def on_backends(*quick: str) -> pytest.MarkDecorator:
+    """Run a fault test on every backend: ``make test`` on the ``quick`` ones, ``make
+    soak`` (and the reliability page) on the others too. The suite runs on two CPU cores,
+    mostly starting torch: a fault whose handling does not depend on the backend runs on
+    one of them by default."""
+    cases = [
+        pytest.param(name, marks=() if name in quick else (pytest.mark.soak,), id=name)
+        for name in BACKENDS
+    ]
+    return pytest.mark.parametrize("backend", cases, indirect=True)
 
 
 @dataclass

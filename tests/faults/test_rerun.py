@@ -10,10 +10,11 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from elastic_job import ElasticJob
-from fault_setups import Backend, Recovery
+from fault_setups import BACKENDS, Backend, Recovery, on_backends
 
 from launch import events, exit_codes, kill, rallypoint, wait_for_text, worker
 
@@ -114,18 +115,27 @@ def condition(backend: Backend) -> str:
 BEFORE = {"failed": failed_run, "killed": killed_run, "finished": finished_run}
 
 
+def _rerun_case(backend: str, before: str) -> Any:
+    name = (
+        "The job run again under its --rdzv-id after every agent was SIGKILLed"
+        if before == "killed"
+        else f"The job run again under its --rdzv-id after a run that {before}"
+    )
+    expected = (
+        "both new agents form their round within last_call_timeout + 2 s "
+        "(the dead run's nodes are never counted) and train"
+    )
+    marks = [pytest.mark.fault(name, expected=expected)]
+    if before == "finished" and backend != "redis":  # nothing of it is left: one backend
+        marks.append(pytest.mark.soak)
+    return pytest.param(backend, before, marks=marks, id=f"{backend}-{before}")
+
+
 @pytest.mark.parametrize(
-    "before",
-    [
-        pytest.param(name, marks=pytest.mark.fault(
-            f"The job run again under its --rdzv-id after a run that {name}"
-            if name != "killed" else "The job run again under its --rdzv-id after every agent was SIGKILLed",
-            expected="both new agents form their round within last_call_timeout + 2 s "
-            "(the dead run's nodes are never counted) and train",
-        ), id=name)
-        for name in BEFORE
-    ],
-)  # fmt: skip
+    ("backend", "before"),
+    [_rerun_case(backend, before) for before in BEFORE for backend in BACKENDS],
+    indirect=["backend"],
+)
 def test_a_rerun_starts_at_once(
     backend: Backend, tmp_path: Path, recovery: Recovery, before: str
 ) -> None:
@@ -139,16 +149,15 @@ def test_a_rerun_starts_at_once(
     finally:
         job.close()
     assert codes == [0, 0], job.text()
-    # The first round formed at once, counted from the agent's start (its imports done):
+    # The first round formed at once once both agents were up (their imports done):
     # nobody waited for the dead run's nodes. (Under load one agent may reach the store
     # after the last call, and join in the next round.)
-    took = min(
-        events(log, "rendezvous_completed")[0]["wall_time"]
-        - events(log, "agent_started")[0]["wall_time"]
-        for _, log in job.agents
-    )
+    started = [events(log, "agent_started")[0]["wall_time"] for _, log in job.agents]
+    formed = [events(log, "rendezvous_completed")[0]["wall_time"] for _, log in job.agents]
+    took = max(formed) - max(started)
     recovery.seconds = round(took, 2)
-    assert took < LAST_CALL + 2, f"the first round formed {took:.1f} s after the agent started"
+    recovery.notes.append(f"{max(formed) - min(started):.1f} s from the first agent's start")
+    assert took < LAST_CALL + 2, f"the first round formed {took:.1f} s after both agents started"
     if backend.name != "c10d" and before != "finished":
         assert "starting it afresh" in job.text(), job.text()
     assert backend.keys("job") == []  # the re-run finished cleanly: nothing left
@@ -219,15 +228,17 @@ def test_another_shape_under_a_live_id_is_one_sentence(backend: Backend, tmp_pat
     assert not events(log, "workers_started")
 
 
-@pytest.mark.parametrize("backend", ["c10d", "redis"], indirect=True)
+@on_backends("redis")
 def test_a_failure_after_too_many_nodes_were_lost_names_them(
     backend: Backend, tmp_path: Path
 ) -> None:
     """--nnodes 2: node b is SIGKILLed; node a's worker fails (its peer is gone) and the
     next round cannot form: the report names the lost node before the gloo error. (On
     c10d the first agent hosts the store: the victim, started second, does not.)"""
+    # join_timeout: long enough for the second agent to start on a loaded 2-core machine
+    # (it imports torch), short enough for the failing round to end the test soon.
     job = ElasticJob(backend, tmp_path, nnodes="2", size=SIZE, batch=BATCH, step_seconds=0.2,
-                     options=("--rdzv-conf", backend.conf + ",join_timeout=8"))  # fmt: skip
+                     options=("--rdzv-conf", backend.conf + ",join_timeout=15"))  # fmt: skip
     try:
         a = job.start("a")
         b = job.start("b")
@@ -240,4 +251,4 @@ def test_a_failure_after_too_many_nodes_were_lost_names_them(
     text = a.text()
     lost = victim["members"][victim["group_rank"]]
     assert f"root cause: node {lost} of the round was lost (no heartbeat)" in text, text
-    assert "fewer than 2 nodes joined within join_timeout=8 s" in text
+    assert "fewer than 2 nodes joined within join_timeout=15 s" in text

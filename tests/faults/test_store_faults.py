@@ -1,7 +1,7 @@
 """Store faults: the rendezvous store frozen (SIGSTOP) for less and for more than the
 liveness TTL, killed and started again on its data, or cut off from one agent only (a TCP
 proxy between that agent and the store, tests/faults/proxy.py), each while the nodes wait
-to form a round and while two agents train with two gloo workers each
+to form a round and while two agents train with one gloo worker each
 (tests/workers/train_until.py: an all-reduce every 0.2 s until the test says stop).
 
 etcd and Redis are servers of their own; the c10d store lives in the first agent, so only
@@ -58,7 +58,7 @@ class Job:
         self.logs: dict[str, Path] = {}
         self.proxy: Proxy | None = None
 
-    def start(self, name: str, nnodes: str, *, proxied: bool = False, nproc: int = 2) -> Path:
+    def start(self, name: str, nnodes: str, *, proxied: bool = False, nproc: int = 1) -> Path:
         """Start agent ``name``; ``proxied``: through the proxy (made on first use)."""
         endpoint = None
         if proxied:
@@ -212,7 +212,7 @@ def store_outage(
     the second starts once it is back, and the round forms. Recovery: from the store's
     return to the round complete (the second agent's start-up included).
 
-    training: both train at world size 4, and go on through the outage. Recovery: from the
+    training: both train at world size 2, and go on through the outage. Recovery: from the
     store's return to the next step (the workers never stopped).
     """
     job.start("a", "2")
@@ -224,24 +224,24 @@ def store_outage(
         back = time.time()
         recovery.notes.append(f"the store was down {back - began:.1f} s")
         job.start("b", "2")
-        job.wait_step(back, world=4)
+        job.wait_step(back, world=2)
         (formed,) = job.rounds("a")
         recovery.seconds = float(formed["wall_time"]) - back
         started = events(job.logs["b"], "agent_started")[0]["wall_time"]
         recovery.notes.append(f"includes the second agent's start-up, {started - back:.1f} s")
     else:
         job.start("b", "2")
-        job.wait_step(0, world=4)
+        job.wait_step(0, world=2)
         began = time.time()
         down()
         up()
         back = time.time()
-        recovery.seconds = job.wait_step(back, world=4) - back
+        recovery.seconds = job.wait_step(back, world=2) - back
         recovery.notes.append(f"the store was down {back - began:.1f} s")
         if back - began > 0.5:  # training went on meanwhile: steps while it was down
             assert [at for _, _, at in job.steps() if began < at < back], job.text()
         # Past a TTL after the store's return: nobody was taken for dead.
-        job.wait_step(back + TTL + 1, world=4)
+        job.wait_step(back + TTL + 1, world=2)
     job.finish()
     job.assert_no_restart(phase, began)
 
@@ -311,7 +311,7 @@ def thaw_after(backend: Backend, seconds: float) -> None:
         "node's workers (their peers gone) restart and it rejoins in a scale-up round"
     ),
     backends=ALL,
-    quick={"rendezvous": "etcd", "training": "c10d"},
+    quick={"rendezvous": "etcd", "training": "redis"},
 )
 def test_store_cut_off_from_one_agent_longer_than_the_ttl(
     job: Job, backend: Backend, phase: str, recovery: Recovery
@@ -343,16 +343,16 @@ def test_store_cut_off_from_one_agent_longer_than_the_ttl(
     else:
         job.start("a", "1:2")
         job.start("b", "1:2", proxied=True)
-        job.wait_step(0, world=4)
+        job.wait_step(0, world=2)
         assert job.proxy is not None
         job.proxy.cut()
         cut = time.time()
-    alone = job.wait_step(cut, world=2, agent="a")
+    alone = job.wait_step(cut, world=1, agent="a")
     recovery.seconds = alone - cut
     time.sleep(max(0.0, cut + LONG - time.time()))  # the cut lasts LONG at least
     job.proxy.restore()
     restored = time.time()
-    together = job.wait_step(restored, world=4)
+    together = job.wait_step(restored, world=2)
     recovery.notes.append(f"the cut node trained again {together - restored:.1f} s after")
     job.finish()
     assert all(r["group_world_size"] == 2 for r in job.rounds("b")), job.text()
@@ -364,7 +364,7 @@ def test_store_cut_off_from_one_agent_longer_than_the_ttl(
     rendezvous="the cut node carries on; the round forms with every node; nothing restarts",
     training="training goes on through it; nothing restarts",
     backends=ALL,
-    quick={"rendezvous": "redis", "training": "c10d"},
+    quick={"rendezvous": "redis", "training": "etcd"},
 )
 def test_store_cut_off_from_one_agent_shorter_than_the_ttl(
     job: Job, backend: Backend, phase: str, recovery: Recovery
@@ -372,7 +372,7 @@ def test_store_cut_off_from_one_agent_shorter_than_the_ttl(
     """rendezvous: ``b`` (through the proxy) waits in round 0 of a ``2`` job (on c10d, a
     ``3`` job with one worker per node: ``a``, hosting the store, waits with it), is cut
     off for 1 s, then the last node starts. Training: a ``1:2`` job trains at world size
-    4, ``b`` is cut off for 1 s. Recovery: from the restore to the round complete, or to
+    2, ``b`` is cut off for 1 s. Recovery: from the restore to the round complete, or to
     the next step.
     """
     if phase == "rendezvous":
@@ -382,7 +382,7 @@ def test_store_cut_off_from_one_agent_shorter_than_the_ttl(
             job.start("b", nodes, proxied=True, nproc=nproc)
             job.wait_joined("a", 2)
         else:
-            nodes, nproc, world = "2", 2, 4
+            nodes, nproc, world = "2", 1, 2
             job.start("b", nodes, proxied=True)
             job.wait_joined("b", 1)
         assert job.proxy is not None
@@ -401,16 +401,16 @@ def test_store_cut_off_from_one_agent_shorter_than_the_ttl(
     else:
         job.start("a", "1:2")
         job.start("b", "1:2", proxied=True)
-        job.wait_step(0, world=4)
+        job.wait_step(0, world=2)
         assert job.proxy is not None
         cut = time.time()
         job.proxy.cut()
         time.sleep(SHORT)  # the cut itself
         job.proxy.restore()
         restored = time.time()
-        recovery.seconds = job.wait_step(restored, world=4) - restored
+        recovery.seconds = job.wait_step(restored, world=2) - restored
         assert [at for _, _, at in job.steps() if cut < at < restored], job.text()
         # Past the TTL after the cut: nobody was taken for dead.
-        job.wait_step(cut + TTL + 1, world=4)
+        job.wait_step(cut + TTL + 1, world=2)
     job.finish()
     job.assert_no_restart(phase, cut)
