@@ -55,7 +55,7 @@ test: install servers lint docs
 	$(PY) -m pytest -m serial
 
 # The long fault scenarios (docs/reliability.md): the 20-repetition recovery soak, membership
-# churn on etcd and Redis.
+# churn, and the backends that make test leaves out of the faults handled alike on each.
 soak: install servers
 	$(PY) -m pytest -n $(TEST_PROCESSES) --dist worksteal -m soak
 

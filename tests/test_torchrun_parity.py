@@ -64,7 +64,9 @@ def test_the_script_s_own_options_are_left_alone(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kind", ["directory", "zip"])
 def test_a_directory_or_zip_with_main_runs_as_python_runs_it(tmp_path: Path, kind: str) -> None:
-    main = "import os; print('main of', os.environ['RANK'])\n"
+    # One write per line: torchrun's workers share its stdout, and print() writes its
+    # words one by one when unbuffered, so two workers' words could interleave.
+    main = "import os, sys; sys.stdout.write(f\"main of {os.environ['RANK']}\\n\")\n"
     if kind == "directory":
         target = tmp_path / "app"
         target.mkdir()
