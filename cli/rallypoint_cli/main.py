@@ -135,7 +135,7 @@ def console_main() -> None:
     aborts the process (SIGABRT), and the exit code is lost. The agent has stopped its
     workers and said why by then: with such a thread left, flush and exit at once."""
     code = main()
-    if any(t.daemon and t.is_alive() for t in threading.enumerate()):
+    if any(t.daemon for t in threading.enumerate()):  # enumerate: the live ones
         logging.shutdown()
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):  # closed, or a reader gone

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fault_setups import Backend, Recovery, c10d_backend, etcd_backend, redis_backend
+from fault_setups import BACKENDS, Backend, Recovery, c10d_backend, etcd_backend, redis_backend
 
 #: Where the records go, one JSON line each; unset in a plain test run (nothing written).
 RECORDS = "RALLYPOINT_RELIABILITY_RECORDS"
@@ -58,7 +58,7 @@ def recovery(request: pytest.FixtureRequest) -> Iterator[Recovery]:
         handle.write(json.dumps(record) + "\n")
 
 
-@pytest.fixture(params=["c10d", "etcd", "redis"])
+@pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
     """A rendezvous backend with its own store: a fresh etcd or redis-server for the test,
     or (c10d) a free port on which the first agent hosts the store."""

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fault_setups import Backend, Recovery
+from fault_setups import BACKENDS, Backend, Recovery
 from proxy import Proxy
 
 from launch import assert_no_worker_left, events, kill, wait_for_text, worker
@@ -43,7 +43,6 @@ WAIT = 60.0
 STEP = re.compile(r"step rank=(\d+) world=(\d+) sum=\d+ at=([\d.]+)")
 
 STORES = ("etcd", "redis")  # the backends whose store is a server of its own
-ALL = ("c10d", "etcd", "redis")
 
 
 class Job:
@@ -310,7 +309,7 @@ def thaw_after(backend: Backend, seconds: float) -> None:
         "the other node re-forms without it (MIN 1) and trains on; once back, the cut "
         "node's workers (their peers gone) restart and it rejoins in a scale-up round"
     ),
-    backends=ALL,
+    backends=BACKENDS,
     quick={"rendezvous": "etcd", "training": "redis"},
 )
 def test_store_cut_off_from_one_agent_longer_than_the_ttl(
@@ -363,7 +362,7 @@ def test_store_cut_off_from_one_agent_longer_than_the_ttl(
     "Store cut off from one agent for 1 s (shorter than the TTL)",
     rendezvous="the cut node carries on; the round forms with every node; nothing restarts",
     training="training goes on through it; nothing restarts",
-    backends=ALL,
+    backends=BACKENDS,
     quick={"rendezvous": "redis", "training": "etcd"},
 )
 def test_store_cut_off_from_one_agent_shorter_than_the_ttl(

@@ -856,9 +856,9 @@ def settle_generation(
         raw = store.get(keys.generation_key)
         current = keys.at(records.decode_int(keys.generation_key, raw) if raw else 0)
         gone, theirs = inspect_run(store, current, alive)
-        if gone is None and store.get(keys.generation_key) != raw:
-            continue  # another node started the next generation while this one read it
         if gone is None:
+            if store.get(keys.generation_key) != raw:
+                continue  # another node started the next generation while this one read it
             if nnodes and theirs and theirs != nnodes:
                 raise UsageError(
                     f"--rdzv-id {keys.run_id!r} is the id of a running job of --nnodes "
