@@ -42,9 +42,9 @@ GROUP_NOTES = {
         "each rendezvous round calls the rank assigner. A rendezvous backend's `connect` "
         "(or `create_handler`) serves every job of more than one node that names it; a job "
         "of one node runs the rendezvous in the agent's memory whatever `--rdzv-backend` "
-        "says (see [Writing a plugin](writing.md#a-rendezvous-backend)). A checkpoint store's `open` "
+        "says (see [Writing a plugin](writing.md#a-rendezvous-backend)). A checkpoint backend's `open` "
         "gives the workers' `rallypoint.checkpoint` the storage for `--checkpoint-dir` "
-        "(see [Writing a checkpoint store](../checkpoint-stores.md))."
+        "(see [Writing a checkpoint backend](../checkpoint-storage.md))."
     ),
     "Lifecycle": (
         "The agent calls these hooks at each phase of a run, for every plugin that "

@@ -74,7 +74,7 @@ def test_version() -> None:
         (["--rank-assigner", "random"], ["Choose one of: ordered, sticky, topology"]),
         (["--metrics", "log,statsd"], ["--metrics 'statsd'", "jsonl, log, prometheus"]),
         (["--metrics", "jsonl", "--metrics-conf", "port=1"], ["--metrics-conf 'port'", "path"]),
-        (["--checkpoint-dir", "nosuch://bucket/run"], ["no checkpoint store serves nosuch://"]),
+        (["--checkpoint-dir", "nosuch://bucket/run"], ["no checkpoint backend serves nosuch://"]),
         (["--redirects", "7"], ["--redirects '7'"]),
         (["--local-ranks-filter", "0,x"], ["--local-ranks-filter"]),
         (["--signals-to-handle", "SIGTERM,SIGNOPE"], ["'SIGNOPE' is not a signal name"]),
@@ -206,6 +206,6 @@ def test_uninstalling_a_plugin_removes_only_its_names(script: str) -> None:
     assert [p["name"] for p in after["plugins"]] == [
         p["name"] for p in before["plugins"] if p["name"] != "redis"
     ]
-    for kind in ("restart policy", "rank assigner", "checkpoint store", "metrics sink"):
+    for kind in ("restart policy", "rank assigner", "checkpoint backend", "metrics sink"):
         assert after["available"][kind] == before["available"][kind]
     assert_one_line_error(result, "Choose one of: c10d, etcd, static.")

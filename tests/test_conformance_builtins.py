@@ -1,4 +1,4 @@
-"""The built-in restart policies, rank assigners, file checkpoint store and metrics sinks
+"""The built-in restart policies, rank assigners, file checkpoint backend and metrics sinks
 against the conformance suites of ``rallypoint.testing`` (the rendezvous stores run theirs
 in test_store_conformance.py).
 
@@ -17,8 +17,8 @@ from rallypoint.checkpoint.storage import FileStorage
 from rallypoint.extensions import MetricsSink, NodeSpec, RankAssigner, RestartPolicy
 from rallypoint.plugins import build_plugin_manager
 from rallypoint.registry import METRICS_SINKS, RANK_ASSIGNERS, RESTART_POLICIES, Kind
-from rallypoint.testing.checkpoint_store_conformance import (
-    CheckpointStoreConformance,
+from rallypoint.testing.checkpoint_storage_conformance import (
+    CheckpointStorageConformance,
     OpenStorage,
 )
 from rallypoint.testing.metrics_sink_conformance import MetricsSinkConformance, event_names
@@ -107,20 +107,20 @@ class TestTopology(RankAssignerConformance):
 # --- checkpoint storage -------------------------------------------------------------------
 
 
-class TestFileStorage(CheckpointStoreConformance):
+class TestFileStorage(CheckpointStorageConformance):
     @pytest.fixture
     def open_storage(self, tmp_path: Path) -> OpenStorage:
         return lambda: FileStorage(str(tmp_path / "checkpoints"))
 
 
-class TestFileStorageByURL(CheckpointStoreConformance):
+class TestFileStorageByURL(CheckpointStorageConformance):
     """Through the registration, with a ``file://`` URL, as ``--checkpoint-dir`` gives it."""
 
     @pytest.fixture
     def open_storage(self, tmp_path: Path) -> OpenStorage:
         store = build_plugin_manager({"RALLYPOINT_LOAD_PLUGINS": ""}).registry
         url = f"file://{tmp_path}/by-url"
-        opener = store.checkpoint_store_for(url).open
+        opener = store.checkpoint_backend_for(url).open
         assert opener is not None
         return lambda: opener(url)
 

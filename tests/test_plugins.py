@@ -15,7 +15,7 @@ from rallypoint.plugins import (
     get_plugin_manager,
 )
 from rallypoint.registry import (
-    CHECKPOINT_STORES,
+    CHECKPOINT_BACKENDS,
     METRICS_SINKS,
     RANK_ASSIGNERS,
     RENDEZVOUS_BACKENDS,
@@ -37,7 +37,7 @@ def test_builtins_register_every_documented_name() -> None:
     assert {"static", "c10d"} <= set(registry.names(RENDEZVOUS_BACKENDS))
     assert {"backoff", "max-restarts", "never"} <= set(registry.names(RESTART_POLICIES))
     assert {"ordered", "sticky", "topology"} <= set(registry.names(RANK_ASSIGNERS))
-    assert "file" in registry.names(CHECKPOINT_STORES)
+    assert "file" in registry.names(CHECKPOINT_BACKENDS)
     assert {"log", "jsonl"} <= set(registry.names(METRICS_SINKS))
 
 
@@ -202,21 +202,21 @@ def test_duplicate_names_are_withdrawn_and_name_both_distributions(
     assert pm.registry.get(RENDEZVOUS_BACKENDS, "etcd").name == "etcd"
 
 
-def test_two_checkpoint_stores_cannot_share_a_scheme(install_plugin: InstallPlugin) -> None:
+def test_two_checkpoint_backends_cannot_share_a_scheme(install_plugin: InstallPlugin) -> None:
     install_plugin(
         "files",
         """
         from rallypoint import hookimpl
-        from rallypoint.extensions import CheckpointStore
+        from rallypoint.extensions import CheckpointBackend
 
         @hookimpl
-        def register_checkpoint_stores():
-            return [CheckpointStore("better-file", "", schemes=("file",))]
+        def register_checkpoint_backends():
+            return [CheckpointBackend("better-file", "", schemes=("file",))]
         """,
     )
     pm = build_plugin_manager()
     with pytest.raises(PluginConflictError, match="scheme file://"):
-        pm.registry.checkpoint_store_for("file:///ckpt")
+        pm.registry.checkpoint_backend_for("file:///ckpt")
 
 
 def test_unknown_name_lists_the_valid_ones() -> None:
@@ -229,10 +229,10 @@ def test_unknown_name_lists_the_valid_ones() -> None:
     )
 
 
-def test_checkpoint_store_by_scheme() -> None:
+def test_checkpoint_backend_by_scheme() -> None:
     registry = get_plugin_manager().registry
-    assert registry.checkpoint_store_for("/data/ckpt").name == "file"
-    assert registry.checkpoint_store_for("file:///data/ckpt").name == "file"
+    assert registry.checkpoint_backend_for("/data/ckpt").name == "file"
+    assert registry.checkpoint_backend_for("file:///data/ckpt").name == "file"
 
 
 def test_register_commands_adds_a_command_and_refuses_a_shadowing_one(

@@ -17,7 +17,7 @@ import pytest
 
 from launch import clean_environment, rallypoint, torchrun, worker
 from rallypoint.errors import UsageError
-from rallypoint.rendezvous.handlers import node_address
+from rallypoint.rendezvous.endpoints import node_address
 
 
 def environments(stdout: str) -> list[dict[str, Any]]:

@@ -10,7 +10,7 @@ from typing import Any
 import typer
 
 from rallypoint.plugins import BROKEN, PluginManager
-from rallypoint.registry import CHECKPOINT_STORES, KINDS, Registry
+from rallypoint.registry import CHECKPOINT_BACKENDS, KINDS, Registry
 from rallypoint.testing import template
 
 #: The flag whose ``key=value`` list sets the options of each kind of registration.
@@ -22,11 +22,11 @@ OPTION_FLAGS = {
 
 
 def _choices(registry: Registry) -> dict[str, list[str]]:
-    """Usable names by extension point; for checkpoint stores, the URL schemes they serve."""
+    """Usable names by extension point; for checkpoint backends, the URL schemes they serve."""
     choices = {kind.label: registry.names(kind) for kind in KINDS}
-    choices[CHECKPOINT_STORES.label] = sorted(
+    choices[CHECKPOINT_BACKENDS.label] = sorted(
         f"{scheme}://" if scheme else "a plain path"
-        for entry in registry.entries(CHECKPOINT_STORES)
+        for entry in registry.entries(CHECKPOINT_BACKENDS)
         for scheme in entry.item.schemes
     )
     return choices

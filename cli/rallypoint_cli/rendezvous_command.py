@@ -13,7 +13,7 @@ from rallypoint.extensions import RendezvousRequest
 from rallypoint.plugins import PluginManager
 from rallypoint.registry import RENDEZVOUS_BACKENDS
 from rallypoint.rendezvous import torch_keys
-from rallypoint.rendezvous.handlers import connect
+from rallypoint.rendezvous.factory import connect
 from rallypoint.rendezvous.protocol import Keys, Settings, current_generation, inspect_run
 from rallypoint.rendezvous.status import read_status
 from rallypoint.rendezvous.store import CoordinationStore

@@ -190,7 +190,7 @@ class LaunchConfig:
         )
 
         if values.get("checkpoint_dir"):
-            registry.checkpoint_store_for(values["checkpoint_dir"])
+            registry.checkpoint_backend_for(values["checkpoint_dir"])
         values["node_labels"] = parse_labels(values.get("node_labels") or ())
         values["redirects"] = parse_std_spec(str(values.get("redirects", "0")), "--redirects")
         values["tee"] = parse_std_spec(str(values.get("tee", "0")), "--tee")

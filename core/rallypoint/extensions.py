@@ -328,8 +328,8 @@ class RankAssigner:
 
 
 @dataclass(frozen=True)
-class CheckpointStore:
-    """A checkpoint store, chosen by the URL scheme of ``--checkpoint-dir``.
+class CheckpointBackend:
+    """A checkpoint backend, chosen by the URL scheme of ``--checkpoint-dir``.
 
     Attributes:
         name: a short name shown by ``rallypoint plugins``.
@@ -409,4 +409,4 @@ class MetricsSink:
 
 
 #: Every registration type, in the order ``rallypoint plugins`` lists them.
-Registration = RendezvousBackend | RestartPolicy | RankAssigner | CheckpointStore | MetricsSink
+Registration = RendezvousBackend | RestartPolicy | RankAssigner | CheckpointBackend | MetricsSink

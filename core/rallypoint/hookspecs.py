@@ -22,7 +22,7 @@ import pluggy
 
 from rallypoint.events import RoundInfo, RunInfo, WorkerFailure
 from rallypoint.extensions import (
-    CheckpointStore,
+    CheckpointBackend,
     MetricsSink,
     RankAssigner,
     RendezvousBackend,
@@ -134,8 +134,8 @@ def register_rank_assigners() -> Iterable[RankAssigner]:
 
 
 @hookspec
-def register_checkpoint_stores() -> Iterable[CheckpointStore]:
-    """Declare checkpoint stores, chosen by the URL scheme of ``--checkpoint-dir``.
+def register_checkpoint_backends() -> Iterable[CheckpointBackend]:
+    """Declare checkpoint backends, chosen by the URL scheme of ``--checkpoint-dir``.
 
     Returns:
         The stores this plugin provides; each lists the URL schemes it serves and gives
@@ -146,7 +146,7 @@ def register_checkpoint_stores() -> Iterable[CheckpointStore]:
     Example::
 
         from rallypoint import hookimpl
-        from rallypoint.extensions import CheckpointStore
+        from rallypoint.extensions import CheckpointBackend
 
         def open_storage(url):
             from my_s3_store.storage import S3Storage  # a CheckpointStorage
@@ -154,9 +154,9 @@ def register_checkpoint_stores() -> Iterable[CheckpointStore]:
             return S3Storage(url)
 
         @hookimpl
-        def register_checkpoint_stores():
+        def register_checkpoint_backends():
             return [
-                CheckpointStore(
+                CheckpointBackend(
                     "s3", "objects in S3 via fsspec", schemes=("s3",), open=open_storage
                 )
             ]

@@ -39,7 +39,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "rallypoint.builtins.rendezvous",
     "rallypoint.builtins.restart_policies",
     "rallypoint.builtins.rank_assigners",
-    "rallypoint.builtins.checkpoint_stores",
+    "rallypoint.builtins.checkpoint_backends",
     "rallypoint.builtins.metrics_sinks",
 )
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from rallypoint.errors import PluginConflictError, UnknownNameError, UsageError
 from rallypoint.extensions import (
-    CheckpointStore,
+    CheckpointBackend,
     MetricsSink,
     RankAssigner,
     RendezvousBackend,
@@ -44,8 +44,8 @@ RESTART_POLICIES = Kind(
     "register_restart_policies", "restart policy", "--restart-policy", RestartPolicy
 )
 RANK_ASSIGNERS = Kind("register_rank_assigners", "rank assigner", "--rank-assigner", RankAssigner)
-CHECKPOINT_STORES = Kind(
-    "register_checkpoint_stores", "checkpoint store", "--checkpoint-dir", CheckpointStore
+CHECKPOINT_BACKENDS = Kind(
+    "register_checkpoint_backends", "checkpoint backend", "--checkpoint-dir", CheckpointBackend
 )
 METRICS_SINKS = Kind("register_metrics_sinks", "metrics sink", "--metrics", MetricsSink)
 
@@ -53,7 +53,7 @@ KINDS: tuple[Kind[Any], ...] = (
     RENDEZVOUS_BACKENDS,
     RESTART_POLICIES,
     RANK_ASSIGNERS,
-    CHECKPOINT_STORES,
+    CHECKPOINT_BACKENDS,
     METRICS_SINKS,
 )
 
@@ -114,15 +114,15 @@ class Registry:
             entries[key] = registered
 
     def _check_schemes(self) -> None:
-        """Two checkpoint stores may not serve one URL scheme: both are withdrawn."""
-        table = self._entries[CHECKPOINT_STORES.hook]
+        """Two checkpoint backends may not serve one URL scheme: both are withdrawn."""
+        table = self._entries[CHECKPOINT_BACKENDS.hook]
         by_scheme: dict[str, list[Registered[Any]]] = {}
         for registered in table.values():
             for scheme in registered.item.schemes:
                 by_scheme.setdefault(scheme, []).append(registered)
         for scheme, providers in by_scheme.items():
             if len(providers) > 1:
-                self._conflicts[CHECKPOINT_STORES.hook][f"scheme {scheme}://"] = providers
+                self._conflicts[CHECKPOINT_BACKENDS.hook][f"scheme {scheme}://"] = providers
                 for registered in providers:
                     table.pop(registered.item.name, None)
 
@@ -180,20 +180,20 @@ class Registry:
         except KeyError:
             raise UnknownNameError(kind.label, name, self.names(kind), flag=kind.flag) from None
 
-    def checkpoint_store_for(self, url: str) -> CheckpointStore:
-        """The checkpoint store serving ``url``'s scheme (a plain path has scheme ``""``)."""
+    def checkpoint_backend_for(self, url: str) -> CheckpointBackend:
+        """The checkpoint backend serving ``url``'s scheme (a plain path has scheme ``""``)."""
         scheme = url.split("://", 1)[0].lower() if "://" in url else ""
         key = f"scheme {scheme}://"
-        providers = self._conflicts[CHECKPOINT_STORES.hook].get(key)
+        providers = self._conflicts[CHECKPOINT_BACKENDS.hook].get(key)
         if providers:
-            raise PluginConflictError(_conflict_message(CHECKPOINT_STORES, key, providers))
-        stores = self.entries(CHECKPOINT_STORES)
+            raise PluginConflictError(_conflict_message(CHECKPOINT_BACKENDS, key, providers))
+        stores = self.entries(CHECKPOINT_BACKENDS)
         for registered in stores:
             if scheme in registered.item.schemes:
                 return registered.item
         served = sorted(f"{s}://" if s else "a plain path" for r in stores for s in r.item.schemes)
         raise UsageError(
-            f"--checkpoint-dir {url!r}: no checkpoint store serves {scheme}:// URLs. "
+            f"--checkpoint-dir {url!r}: no checkpoint backend serves {scheme}:// URLs. "
             f"Choose one of: {', '.join(served) or '(none installed)'}."
         )
 

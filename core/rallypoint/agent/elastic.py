@@ -55,8 +55,9 @@ from rallypoint.events import RoundInfo, RunInfo
 from rallypoint.extensions import EventSink, NodeSpec, RestartRequest, SinkContext
 from rallypoint.plugins import PluginManager
 from rallypoint.registry import METRICS_SINKS, RESTART_POLICIES
+from rallypoint.rendezvous.endpoints import node_address
+from rallypoint.rendezvous.factory import create_handler
 from rallypoint.rendezvous.handler import Assignment, RendezvousHandler
-from rallypoint.rendezvous.handlers import create_handler, node_address
 from rallypoint.rendezvous.protocol import RendezvousTimeout
 from rallypoint.worker_channel import Receiver
 from rallypoint.worker_errors import error_record

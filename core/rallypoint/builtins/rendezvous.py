@@ -9,7 +9,7 @@ Both run core's rendezvous protocol on a torch TCPStore hosted by one of the age
   of N nodes only runs when all N are there.
 
 ``--standalone`` and any job of one node run the same protocol on a store in the agent's
-memory (``rendezvous.handlers.create_handler``).
+memory (``rendezvous.factory.create_handler``).
 """
 
 from __future__ import annotations
@@ -54,14 +54,14 @@ _TCPSTORE_OPTIONS = (
 
 
 def connect_c10d(request: RendezvousRequest) -> CoordinationStore:
-    from rallypoint.rendezvous.handlers import parse_endpoint
+    from rallypoint.rendezvous.endpoints import parse_endpoint
 
     host, port = parse_endpoint(request.endpoint or "localhost", C10D_DEFAULT_PORT)
     return _tcpstore(request, host, port, request.options.get("is_host"))
 
 
 def connect_static(request: RendezvousRequest) -> CoordinationStore:
-    from rallypoint.rendezvous.handlers import parse_endpoint
+    from rallypoint.rendezvous.endpoints import parse_endpoint
 
     default_port = request.master_port or DEFAULT_MASTER_PORT
     if request.endpoint:  # `rallypoint rendezvous status` names the store this way
@@ -87,7 +87,7 @@ def _tcpstore(
 
 def static_handler(request: RendezvousRequest) -> RendezvousHandler:
     """The protocol with fixed membership: MIN = MAX = --nnodes, ranks = node ranks."""
-    from rallypoint.rendezvous.handlers import protocol_handler
+    from rallypoint.rendezvous.factory import protocol_handler
 
     node = request.node
     labels = {**node.labels, NODE_RANK_LABEL: str(request.node_rank)}

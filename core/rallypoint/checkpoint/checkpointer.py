@@ -47,12 +47,12 @@ class Checkpoint:
 
 
 def open_storage(url: str) -> CheckpointStorage:
-    """The storage of the checkpoint store that serves ``url``'s scheme."""
+    """The storage of the checkpoint backend that serves ``url``'s scheme."""
     from rallypoint.plugins import get_plugin_manager
 
-    store = get_plugin_manager().registry.checkpoint_store_for(url)
+    store = get_plugin_manager().registry.checkpoint_backend_for(url)
     if store.open is None:
-        raise CheckpointError(f"checkpoint store {store.name!r} cannot open {url!r}")
+        raise CheckpointError(f"checkpoint backend {store.name!r} cannot open {url!r}")
     return store.open(url)
 
 

@@ -4,7 +4,7 @@ implementation.
 A storage holds named objects (``/``-separated names) and knows four operations; the
 checkpoint format (manifest, checksums, rotation, choosing the newest valid one) is built
 once on top of them in ``rallypoint.checkpoint.checkpointer``. A plugin registers another
-storage (object storage, say) with ``register_checkpoint_stores``; see
+storage (object storage, say) with ``register_checkpoint_backends``; see
 docs/checkpointing.md.
 """
 

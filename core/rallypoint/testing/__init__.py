@@ -8,7 +8,7 @@
   ``store_conformance.StoreConformance`` (rendezvous stores),
   ``restart_policy_conformance.RestartPolicyConformance``,
   ``rank_assigner_conformance.RankAssignerConformance``,
-  ``checkpoint_store_conformance.CheckpointStoreConformance`` and
+  ``checkpoint_storage_conformance.CheckpointStorageConformance`` and
   ``metrics_sink_conformance.MetricsSinkConformance``. They need pytest.
 * ``template``: the plugin template behind ``rallypoint plugins new``.
 

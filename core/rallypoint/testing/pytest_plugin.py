@@ -36,7 +36,7 @@ pytest.register_assert_rewrite(
     "rallypoint.testing.store_conformance",
     "rallypoint.testing.restart_policy_conformance",
     "rallypoint.testing.rank_assigner_conformance",
-    "rallypoint.testing.checkpoint_store_conformance",
+    "rallypoint.testing.checkpoint_storage_conformance",
     "rallypoint.testing.metrics_sink_conformance",
 )
 

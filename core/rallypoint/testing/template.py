@@ -22,7 +22,7 @@ KINDS: dict[str, str] = {
     "rendezvous": "rendezvous backend",
     "restart-policy": "restart policy",
     "rank-assigner": "rank assigner",
-    "checkpoint-store": "checkpoint store",
+    "checkpoint-store": "checkpoint backend",
     "metrics-sink": "metrics sink",
 }
 
@@ -426,16 +426,16 @@ _SINK_USAGE = """\
 rallypoint run --metrics $name --metrics-conf ${ident}_path=events.txt train.py
 ```"""
 
-# --- checkpoint store ---------------------------------------------------------------------
+# --- checkpoint backend ---------------------------------------------------------------------
 
 _STORE_INIT = '''\
-"""$dist: the ``$name`` checkpoint store (``rallypoint run --checkpoint-dir $scheme://...``)."""
+"""$dist: the ``$name`` checkpoint backend (``rallypoint run --checkpoint-dir $scheme://...``)."""
 
 from __future__ import annotations
 
 from rallypoint import hookimpl
 from rallypoint.checkpoint.storage import CheckpointStorage
-from rallypoint.extensions import CheckpointStore
+from rallypoint.extensions import CheckpointBackend
 
 
 def open_storage(url: str) -> CheckpointStorage:
@@ -446,9 +446,9 @@ def open_storage(url: str) -> CheckpointStorage:
 
 
 @hookimpl
-def register_checkpoint_stores() -> list[CheckpointStore]:
+def register_checkpoint_backends() -> list[CheckpointBackend]:
     return [
-        CheckpointStore(
+        CheckpointBackend(
             "$name",
             "checkpoints in a directory, under $scheme:// URLs",
             schemes=("$scheme",),
@@ -521,7 +521,7 @@ class ${cls}Storage:
 '''
 
 _STORAGE_TESTS = '''\
-"""$dist against rallypoint's checkpoint store conformance suite."""
+"""$dist against rallypoint's checkpoint backend conformance suite."""
 
 from __future__ import annotations
 
@@ -530,14 +530,14 @@ from pathlib import Path
 import pytest
 
 from rallypoint.plugins import PluginManager
-from rallypoint.testing.checkpoint_store_conformance import (
-    CheckpointStoreConformance,
+from rallypoint.testing.checkpoint_storage_conformance import (
+    CheckpointStorageConformance,
     OpenStorage,
 )
 from $module.storage import ${cls}Storage
 
 
-class TestConformance(CheckpointStoreConformance):
+class TestConformance(CheckpointStorageConformance):
     @pytest.fixture
     def open_storage(self, tmp_path: Path) -> OpenStorage:
         return lambda: ${cls}Storage(f"$scheme://{tmp_path}/checkpoints")
@@ -546,7 +546,7 @@ class TestConformance(CheckpointStoreConformance):
 def test_the_plugin_serves_its_scheme(rallypoint_pm: PluginManager) -> None:
     info = rallypoint_pm.infos["$name"]
     assert info.status == "active", info.error
-    assert rallypoint_pm.registry.checkpoint_store_for("$scheme:///ckpt").name == "$name"
+    assert rallypoint_pm.registry.checkpoint_backend_for("$scheme:///ckpt").name == "$name"
 '''
 
 _STORAGE_USAGE = """\

@@ -1,4 +1,4 @@
-"""rallypoint-fsspec: the ``fsspec`` checkpoint store.
+"""rallypoint-fsspec: the ``fsspec`` checkpoint backend.
 
 ``rallypoint run --checkpoint-dir s3://bucket/run42`` keeps checkpoints in S3; likewise
 ``gs://`` (Google Cloud Storage) and ``az://`` (Azure Blob Storage), and ``local://`` for
@@ -14,7 +14,7 @@ from importlib.util import find_spec
 
 from rallypoint import hookimpl
 from rallypoint.checkpoint.storage import CheckpointStorage
-from rallypoint.extensions import CheckpointStore
+from rallypoint.extensions import CheckpointBackend
 
 __version__ = "0.1.0"
 
@@ -45,9 +45,9 @@ def open_storage(url: str) -> CheckpointStorage:
 
 
 @hookimpl
-def register_checkpoint_stores() -> list[CheckpointStore]:
+def register_checkpoint_backends() -> list[CheckpointBackend]:
     return [
-        CheckpointStore(
+        CheckpointBackend(
             "fsspec",
             "object storage through fsspec (s3:// with s3fs, gs:// with gcsfs, az:// with adlfs)",
             schemes=available_schemes(),

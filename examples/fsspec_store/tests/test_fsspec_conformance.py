@@ -1,4 +1,4 @@
-"""The fsspec checkpoint store against rallypoint's checkpoint store conformance suite, on
+"""The fsspec checkpoint backend against rallypoint's checkpoint backend conformance suite, on
 fsspec's local file system (the ``rename`` way of writing) and on its memory file system
 (the ``upload`` way, the one S3, GCS and Azure take)."""
 
@@ -11,20 +11,20 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from rallypoint.testing.checkpoint_store_conformance import (
-    CheckpointStoreConformance,
+from rallypoint.testing.checkpoint_storage_conformance import (
+    CheckpointStorageConformance,
     OpenStorage,
 )
 from rallypoint_fsspec.storage import FsspecStorage
 
 
-class TestLocal(CheckpointStoreConformance):
+class TestLocal(CheckpointStorageConformance):
     @pytest.fixture
     def open_storage(self, tmp_path: Path) -> OpenStorage:
         return lambda: FsspecStorage(f"local://{tmp_path}/checkpoints")
 
 
-class TestMemory(CheckpointStoreConformance):
+class TestMemory(CheckpointStorageConformance):
     @pytest.fixture
     def open_storage(self) -> Iterator[OpenStorage]:
         url = f"memory://rallypoint-fsspec-conformance-{uuid.uuid4().hex}"

@@ -1,4 +1,4 @@
-"""The fsspec checkpoint store: its storage operations, rallypoint's checkpoint format on
+"""The fsspec checkpoint backend: its storage operations, rallypoint's checkpoint format on
 top of it, its registration, and a real ``rallypoint run`` that saves and resumes.
 
 Everything runs on real files through fsspec's local file system (``local://``, the
@@ -34,7 +34,7 @@ from rallypoint_fsspec.storage import TEMPORARY, FsspecStorage
 
 HERE = Path(__file__).parent
 PLUGIN = HERE.parent
-GUIDE = PLUGIN.parents[1] / "docs" / "checkpoint-stores.md"
+GUIDE = PLUGIN.parents[1] / "docs" / "checkpoint-storage.md"
 RALLYPOINT = str(Path(sys.executable).parent / "rallypoint")
 #: Bound on every subprocess and every wait for one.
 TIMEOUT = 120
@@ -180,14 +180,14 @@ def test_the_plugin_serves_local_and_the_object_stores_installed_here() -> None:
     pm = build_plugin_manager({})
     assert pm.infos["fsspec"].status == "active", pm.infos["fsspec"].error
     registry = pm.registry
-    assert registry.checkpoint_store_for("local:///data/ckpt").name == "fsspec"
-    assert registry.checkpoint_store_for("file:///data/ckpt").name == "file"
-    assert registry.checkpoint_store_for("/data/ckpt").name == "file"
+    assert registry.checkpoint_backend_for("local:///data/ckpt").name == "fsspec"
+    assert registry.checkpoint_backend_for("file:///data/ckpt").name == "file"
+    assert registry.checkpoint_backend_for("/data/ckpt").name == "file"
     if find_spec("s3fs") is None:
         with pytest.raises(UsageError, match="local://"):
-            registry.checkpoint_store_for("s3://bucket/run42")
+            registry.checkpoint_backend_for("s3://bucket/run42")
     else:
-        assert registry.checkpoint_store_for("s3://bucket/run42").name == "fsspec"
+        assert registry.checkpoint_backend_for("s3://bucket/run42").name == "fsspec"
 
 
 # --- the checkpoint format on top ----------------------------------------------------------
@@ -357,7 +357,7 @@ def test_a_run_saves_to_local_urls_and_the_next_run_resumes(tmp_path: Path) -> N
 
 
 def test_the_guide_quotes_this_plugin_as_it_is() -> None:
-    """Every excerpt in docs/checkpoint-stores.md headed ``# rallypoint_fsspec/<file>``,
+    """Every excerpt in docs/checkpoint-storage.md headed ``# rallypoint_fsspec/<file>``,
     and the pyproject.toml one, is a verbatim piece of that file."""
     blocks = re.findall(
         r"^```(python|toml)\n(.*?)^```", GUIDE.read_text(), re.DOTALL | re.MULTILINE

@@ -18,7 +18,7 @@ from redis.retry import Retry
 from rallypoint.errors import UsageError
 from rallypoint.extensions import RendezvousRequest
 from rallypoint.redact import redact_endpoint
-from rallypoint.rendezvous.handlers import parse_endpoint
+from rallypoint.rendezvous.endpoints import parse_endpoint
 
 DEFAULT_PORT = 6379
 DEFAULT_SENTINEL_PORT = 26379

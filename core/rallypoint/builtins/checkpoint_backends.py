@@ -1,10 +1,10 @@
-"""Built-in checkpoint store: local or shared file systems (``file://`` URLs and plain paths)."""
+"""Built-in checkpoint backend: local or shared file systems (``file://`` URLs and plain paths)."""
 
 from __future__ import annotations
 
 from rallypoint import hookimpl
 from rallypoint.checkpoint.storage import CheckpointStorage
-from rallypoint.extensions import CheckpointStore
+from rallypoint.extensions import CheckpointBackend
 
 
 def open_file_storage(url: str) -> CheckpointStorage:
@@ -14,9 +14,9 @@ def open_file_storage(url: str) -> CheckpointStorage:
 
 
 @hookimpl
-def register_checkpoint_stores() -> list[CheckpointStore]:
+def register_checkpoint_backends() -> list[CheckpointBackend]:
     return [
-        CheckpointStore(
+        CheckpointBackend(
             "file",
             "a directory on a local or shared file system",
             schemes=("file", ""),

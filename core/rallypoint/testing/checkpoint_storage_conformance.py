@@ -1,6 +1,6 @@
 """The conformance suite every checkpoint storage must pass.
 
-A checkpoint store's tests subclass ``CheckpointStoreConformance`` and provide one fixture,
+A checkpoint backend's tests subclass ``CheckpointStorageConformance`` and provide one fixture,
 ``open_storage``: a callable that returns a new client (``CheckpointStorage``) of one
 empty location of the real service (a temporary directory, a fresh bucket prefix), the
 same location on every call, as another worker would open it. The suite checks the four
@@ -19,9 +19,9 @@ The last two need torch (a dependency of rallypoint).
 
     import pytest
     from rallypoint_mystore import MyStorage
-    from rallypoint.testing.checkpoint_store_conformance import CheckpointStoreConformance
+    from rallypoint.testing.checkpoint_storage_conformance import CheckpointStorageConformance
 
-    class TestMyStorage(CheckpointStoreConformance):
+    class TestMyStorage(CheckpointStorageConformance):
         @pytest.fixture
         def open_storage(self, tmp_path):
             return lambda: MyStorage(f"my://{tmp_path}/checkpoints")
@@ -55,7 +55,7 @@ def read(storage: CheckpointStorage, name: str) -> bytes:
     return data
 
 
-class CheckpointStoreConformance:
+class CheckpointStorageConformance:
     """Subclass with an ``open_storage`` fixture; every test runs on the real storage."""
 
     @pytest.fixture
