@@ -44,9 +44,10 @@ import pytest
 import yaml
 
 from launch import RALLYPOINT, clean_environment, rallypoint, worker
-from rallypoint.config import SLURM_RDZV_PORT, LaunchConfig, apply_slurm, expand_hostlist
+from rallypoint.config import LaunchConfig
 from rallypoint.errors import UsageError
 from rallypoint.plugins import build_plugin_manager
+from rallypoint.slurm import SLURM_RDZV_PORT, apply_slurm, expand_hostlist
 from servers import EtcdServer, find_binary, free_port, free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -588,6 +589,29 @@ def test_default_elastic_policy_on_c10d(tmp_path: Path) -> None:
 
 # --- Slurm: --nnodes auto -------------------------------------------------------------------
 
+#: All that ``scontrol show hostnames`` needs: a configuration, no running slurmctld.
+_SCONTROL_CONF = "ClusterName=rallypoint-test\nSlurmctldHost=localhost\n"
+
+
+def _configure_scontrol(monkeypatch: pytest.MonkeyPatch, directory: Path) -> None:
+    if shutil.which("scontrol") is None:
+        pytest.skip("scontrol not found: apt-get install slurm-client")
+    conf = directory / "slurm.conf"
+    conf.write_text(_SCONTROL_CONF)
+    monkeypatch.setenv("SLURM_CONF", str(conf))
+
+
+@pytest.fixture(params=["scontrol", "python-hostlist"])
+def hostlist_tool(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> str:
+    """Host lists expanded by Slurm's scontrol, or by python-hostlist where it is missing."""
+    if request.param == "scontrol":
+        _configure_scontrol(monkeypatch, tmp_path)
+    else:
+        monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol on it
+    return str(request.param)
+
 
 @pytest.mark.parametrize(
     ("text", "hosts"),
@@ -601,14 +625,39 @@ def test_default_elastic_policy_on_c10d(tmp_path: Path) -> None:
         ("node[3]", ["node3"]),
     ],
 )
-def test_expand_hostlist(text: str, hosts: list[str]) -> None:
+def test_expand_hostlist(text: str, hosts: list[str], hostlist_tool: str) -> None:
     assert expand_hostlist(text) == hosts
 
 
 @pytest.mark.parametrize("text", ["node[1-", "node[a-b]", "node[4-2]", "node]1[", "", "node[]"])
-def test_expand_hostlist_rejects(text: str) -> None:
-    with pytest.raises(UsageError, match="SLURM_JOB_NODELIST"):
+def test_expand_hostlist_rejects(text: str, hostlist_tool: str) -> None:
+    with pytest.raises(UsageError, match="SLURM_JOB_NODELIST") as caught:
         expand_hostlist(text)
+    (line,) = str(caught.value).splitlines()
+    assert line.endswith(".")
+
+
+def test_expand_hostlist_asks_scontrol_first(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _configure_scontrol(monkeypatch, tmp_path)
+
+    def unused(*args: object, **kwargs: object) -> list[str]:
+        raise AssertionError("python-hostlist was asked although scontrol can answer")
+
+    monkeypatch.setattr("hostlist.expand_hostlist", unused)
+    hosts = ["node01", "node02", "node03", "node04", "node07", "login"]
+    assert expand_hostlist("node[01-04,07],login") == hosts
+
+
+def test_expand_hostlist_bounds_scontrol(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """scontrol retries for a minute when SLURM_CONF names a missing file: the agent gives
+    up on it after SCONTROL_TIMEOUT and asks python-hostlist."""
+    if shutil.which("scontrol") is None:
+        pytest.skip("scontrol not found: apt-get install slurm-client")
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "missing.conf"))
+    monkeypatch.setattr("rallypoint.slurm.SCONTROL_TIMEOUT", 0.5)
+    assert expand_hostlist("gpu[07-09,12]") == ["gpu07", "gpu08", "gpu09", "gpu12"]
 
 
 SLURM_ENV = {
@@ -619,7 +668,7 @@ SLURM_ENV = {
 }
 
 
-def test_nnodes_auto_reads_slurm() -> None:
+def test_nnodes_auto_reads_slurm(hostlist_tool: str) -> None:
     values: dict[str, Any] = {"rdzv_backend": "static", "rdzv_id": "none", "node_rank": 0}
     assert apply_slurm(values, SLURM_ENV) == "4"
     assert values == {

@@ -36,6 +36,7 @@ DEFAULT_EXIT_BARRIER_TIMEOUT = 300.0
 STANDALONE_ENDPOINT = "localhost:0"
 
 _STD_VALUES = {0: "none", 1: "stdout", 2: "stderr", 3: "both"}
+from rallypoint.slurm import apply_slurm
 
 
 @dataclass(frozen=True)
@@ -227,94 +228,6 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     if low > high:
         raise UsageError(f"--nnodes {text!r}: MIN must not exceed MAX.")
     return low, high
-
-
-# --- --nnodes auto: the job's shape from Slurm --------------------------------------------
-
-#: ``--nnodes auto`` puts the c10d store on the job's first host, at this port plus the job
-#: id modulo 1000: every node of a job computes the same port, and jobs that share their
-#: first host rarely collide.
-SLURM_RDZV_PORT = 29400
-
-
-def apply_slurm(values: dict[str, Any], environ: Mapping[str, str]) -> str:
-    """Fill in ``values`` from the Slurm job this agent runs in; return the ``--nnodes`` text.
-
-    ``SLURM_JOB_NUM_NODES`` nodes (fixed, not elastic); the default ``static`` backend
-    becomes ``c10d`` with its store on the first host of ``SLURM_JOB_NODELIST``;
-    ``--rdzv-id`` defaults to ``SLURM_JOB_ID`` and ``--node-rank`` to ``SLURM_NODEID``.
-    Flags the user gave explicitly are kept.
-    """
-    names = ("SLURM_JOB_NUM_NODES", "SLURM_NODEID", "SLURM_JOB_ID", "SLURM_JOB_NODELIST")
-    missing = [name for name in names if not environ.get(name, "").strip()]
-    if missing:
-        verb = "is" if len(missing) == 1 else "are"
-        raise UsageError(
-            f"--nnodes auto reads the Slurm job's shape, but {', '.join(missing)} {verb} "
-            "not set: run it under srun (or sbatch), or give --nnodes N."
-        )
-    count, node_id = environ["SLURM_JOB_NUM_NODES"].strip(), environ["SLURM_NODEID"].strip()
-    job_id = environ["SLURM_JOB_ID"].strip()
-    if not (_digits(count) and _digits(node_id) and _digits(job_id)):
-        raise UsageError(
-            f"--nnodes auto: SLURM_JOB_NUM_NODES={count!r}, SLURM_NODEID={node_id!r} and "
-            f"SLURM_JOB_ID={job_id!r} must be whole numbers."
-        )
-    if values.get("rdzv_backend", "static") == "static":
-        values["rdzv_backend"] = "c10d"
-    if values["rdzv_backend"] == "c10d" and not values.get("rdzv_endpoint"):
-        first = expand_hostlist(environ["SLURM_JOB_NODELIST"])[0]
-        values["rdzv_endpoint"] = f"{first}:{SLURM_RDZV_PORT + int(job_id) % 1000}"
-    if values.get("rdzv_id", "none") == "none":
-        values["rdzv_id"] = job_id
-    if not values.get("node_rank"):
-        values["node_rank"] = int(node_id)
-    return count
-
-
-def expand_hostlist(text: str) -> list[str]:
-    """Slurm's hostlist syntax: ``"node[01-03,07],login"`` -> ``["node01", ..., "login"]``.
-
-    Ranges keep the zero padding of their first number; several bracket groups in one
-    name (``rack[1-2]-n[1-2]``) expand to every combination, as ``scontrol show hostnames``.
-    """
-    hosts: list[str] = []
-    for name in _split_top_level(text.strip()):
-        hosts.extend(_expand_name(name, text))
-    if not hosts:
-        raise UsageError(f"SLURM_JOB_NODELIST {text!r}: no host names in it.")
-    return hosts
-
-
-def _split_top_level(text: str) -> list[str]:
-    """Split at the commas outside brackets."""
-    parts, depth, start = [], 0, 0
-    for index, char in enumerate(text):
-        depth += {"[": 1, "]": -1}.get(char, 0)
-        if char == "," and depth == 0:
-            parts.append(text[start:index])
-            start = index + 1
-    parts.append(text[start:])
-    return [part.strip() for part in parts if part.strip()]
-
-
-def _expand_name(name: str, text: str) -> list[str]:
-    match = re.fullmatch(r"([^\[\]]*)\[([^\[\]]*)\](.*)", name)
-    if match is None:
-        if "[" in name or "]" in name:
-            raise UsageError(f"SLURM_JOB_NODELIST {text!r}: unbalanced brackets in {name!r}.")
-        return [name]
-    prefix, ranges, rest = match.groups()
-    tails = _expand_name(rest, text) if rest else [""]
-    expanded: list[str] = []
-    for item in ranges.split(","):
-        low, sep, high = item.strip().partition("-")
-        if not _digits(low) or (sep and not (_digits(high) and int(high) >= int(low))):
-            raise UsageError(f"SLURM_JOB_NODELIST {text!r}: bad range {item!r} in {name!r}.")
-        width = len(low)
-        for number in range(int(low), int(high if sep else low) + 1):
-            expanded.extend(f"{prefix}{number:0{width}d}{tail}" for tail in tails)
-    return expanded
 
 
 def parse_nproc_per_node(text: str) -> int:
