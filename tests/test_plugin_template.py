@@ -3,8 +3,8 @@ tests (the conformance suite of its kind) and is listed by `rallypoint plugins`.
 
 The five are installed with one pip call into a folder of the test's own on
 ``PYTHONPATH`` (see test_example_plugin.py for why not the virtual environment). The
-generated rendezvous store delegates every operation to rallypoint's ``MemoryStore``,
-whose run through the whole store conformance suite, protocol included, is in
+generated rendezvous store keeps its keys in memory, as rallypoint's ``MemoryStore``
+does, whose run through the whole store conformance suite, protocol included, is in
 test_store_conformance.py; here its store operations run, while the slow protocol
 scenarios (seconds of waiting each) are left out.
 """
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from launch import pip_install_target
+from rallypoint.scaffold import KINDS
 from rallypoint.testing.helpers import CliRunner, clean_environment
-from rallypoint.testing.template import KINDS
 
 TIMEOUT = 180
 #: The store conformance tests that exercise rallypoint's protocol rather than the store.
@@ -109,3 +109,10 @@ def test_a_taken_folder_or_a_bad_name_is_a_usage_error(tmp_path: Path) -> None:
     assert bad.exit_code == 2 and "plugin name 'Not OK'" in bad.stderr
     kind = runner.invoke("plugins", "new", "fine", "--kind", "scheduler")
     assert kind.exit_code == 2 and "choose one of: rendezvous, restart-policy" in kind.stderr
+
+
+def test_checkpoint_store_is_the_former_name_of_checkpoint_backend(tmp_path: Path) -> None:
+    result = CliRunner(cwd=tmp_path).invoke("plugins", "new", "old", "--kind", "checkpoint-store")
+    assert result.exit_code == 0, result.output
+    assert "created rallypoint-old: a checkpoint backend plugin" in result.stdout
+    assert (tmp_path / "rallypoint-old" / "rallypoint_old" / "storage.py").is_file()

@@ -1,5 +1,5 @@
 """``rallypoint plugins``: what is installed, what each plugin registers, what is broken;
-``rallypoint plugins new``: a new plugin from the template."""
+``rallypoint plugins new``: a new plugin from the templates of ``rallypoint.scaffold``."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any
 
 import typer
 
+from rallypoint import scaffold
 from rallypoint.plugins import BROKEN, PluginManager
 from rallypoint.registry import CHECKPOINT_BACKENDS, KINDS, Registry
-from rallypoint.testing import template
 
 #: The flag whose ``key=value`` list sets the options of each kind of registration.
 OPTION_FLAGS = {
@@ -73,7 +73,10 @@ def register(app: typer.Typer, pm: PluginManager) -> None:
         kind: str = typer.Option(
             ...,
             "--kind",
-            help=f"What it registers: {', '.join(template.KINDS)}.",
+            help=(
+                f"What it registers: {', '.join(scaffold.KINDS)} "
+                "(checkpoint-store, the former name of checkpoint-backend, also works)."
+            ),
             metavar="KIND",
         ),
         directory: Path = typer.Option(
@@ -81,8 +84,9 @@ def register(app: typer.Typer, pm: PluginManager) -> None:
         ),
     ) -> None:
         """Write a new plugin distribution whose tests (rallypoint's conformance suite) pass."""
-        target = template.write_plugin(name, kind.strip().lower(), directory)
-        typer.echo(f"created {target}: a {template.KINDS[kind.strip().lower()]} plugin")
+        kind = scaffold.check_kind(kind)
+        target = scaffold.write_plugin(name, kind, directory)
+        typer.echo(f"created {target}: a {scaffold.KINDS[kind]} plugin")
         typer.echo(f"next: pip install -e '{target}[test]' && pytest {target}")
 
     app.add_typer(group, name="plugins")

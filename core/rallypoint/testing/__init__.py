@@ -10,7 +10,6 @@
   ``rank_assigner_conformance.RankAssignerConformance``,
   ``checkpoint_storage_conformance.CheckpointStorageConformance`` and
   ``metrics_sink_conformance.MetricsSinkConformance``. They need pytest.
-* ``template``: the plugin template behind ``rallypoint plugins new``.
 
 Importing this package imports nothing; each module imports only what it needs.
 """
