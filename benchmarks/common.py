@@ -1,38 +1,171 @@
-"""What every benchmark records and writes alike: the machine, the commit measured, the load,
-the results JSON and the charts of its page.
+"""The harness every benchmark shares: its options, free loopback ports, jobs run and their
+leftovers killed, the rounds of runs, and the page and charts written from a results JSON.
 
 The scripts run as ``python benchmarks/bench_*.py``, so this directory is on ``sys.path``
-and they import this module as ``common``.
+and they import this module as ``common``. Each page is hand-written markdown but for the
+blocks between ``<!-- begin NAME -->`` and ``<!-- end NAME -->``, which its script rewrites
+from the results: after a run, or with ``--render-only`` from the committed JSON alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import platform
+import signal
+import socket
+import statistics
 import subprocess
+import sys
+import threading
 import time
+from collections.abc import Callable, Iterable, Sequence
+from importlib.metadata import version
 from pathlib import Path
-from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 ROOT = Path(__file__).resolve().parents[1]
-IMAGES = ROOT / "docs" / "img"
+RESULTS = ROOT / "benchmarks" / "results"
+DOCS = ROOT / "docs"
+BIN = Path(sys.executable).parent
+HOST = "127.0.0.1"
+#: The two launchers compared, as commands, in the order of every table and chart.
+LAUNCHERS = {"rallypoint": [str(BIN / "rallypoint"), "run"], "torchrun": [str(BIN / "torchrun")]}
+COLORS = {"rallypoint": "#2b7bba", "torchrun": "#999999"}
+Sample = TypeVar("Sample")
 
 
-def machine() -> str:
-    """``x86_64, 16 CPUs, Linux 6.1.0``: where the numbers were measured."""
-    return f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}"
+# --- measuring ----------------------------------------------------------------------------
 
 
-def measured_on(began: float | None = None) -> dict[str, str]:
-    """The ``date`` (UTC, to the minute) a run began, default now, and the ``machine``."""
-    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(began)), "machine": machine()}
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((HOST, 0))
+        return int(probe.getsockname()[1])
+
+
+def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment without launcher settings (as tests/launch.py), plus ``extra``."""
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    prefixes = ("RALLYPOINT_", "PET_", "TORCHELASTIC_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes) and k not in launcher}
+    return {**env, **(extra or {})}
+
+
+def matching(marker: str) -> list[int]:
+    """The processes but this one whose command line holds ``marker`` (as ``pgrep -f``)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                if marker.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+    return found
+
+
+def kill(pids: Iterable[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def kill_tagged(marker: str, wait: float = 0.0) -> int:
+    """SIGKILL every process whose command line holds ``marker``, with the process group it
+    leads (a worker in a session of its own, and what it started), again until none is left
+    or ``wait`` seconds are over; how many were still there at the last look."""
+    deadline = time.monotonic() + wait
+    while left := matching(marker):
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if os.getpgid(pid) == pid:
+                    os.killpg(pid, signal.SIGKILL)
+        kill(left)
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    return len(left)
+
+
+def run_job(
+    command: list[str],
+    timeout: float,
+    watch: Callable[[subprocess.Popen[str], list[str]], None] | None = None,
+    leftovers: str | None = None,
+) -> tuple[int | None, str, float]:
+    """Run ``command`` in a session of its own, ``watch(process, lines so far)`` meanwhile;
+    after ``timeout`` kill its process group. Whatever carries ``leftovers`` on its command
+    line is killed then and after the run: workers that a launcher left must not skew the
+    next run. Its exit code (None: killed), its output and its wall time."""
+    began = time.monotonic()
+    process = subprocess.Popen(
+        command,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines: list[str] = []
+
+    def read() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line)
+
+    threads = [threading.Thread(target=read, daemon=True)]
+    if watch is not None:
+        threads.append(threading.Thread(target=watch, args=(process, lines), daemon=True))
+    for thread in threads:
+        thread.start()
+    code: int | None = None
+    try:
+        code = process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        if leftovers:  # torchrun's workers may hold the output pipe open
+            kill_tagged(leftovers)
+        process.wait(30)
+    threads[0].join(30)
+    wall = time.monotonic() - began
+    for thread in threads[1:]:
+        thread.join(10)
+    if leftovers:
+        kill_tagged(leftovers)
+    return code, "".join(lines), wall
+
+
+def rounds(
+    repeat: int,
+    names: Sequence[str],
+    once: Callable[[str], Sample],
+    show: Callable[[Sample], str] = str,
+    *,
+    rotate: bool = True,
+    skip: Callable[[str, int], bool] | None = None,
+) -> dict[str, list[Sample]]:
+    """``repeat`` rounds of ``once(name)`` for every name, each round in an order shifted by
+    one (``rotate``: A B, then B A), so that noise and warm-up hit every name alike;
+    ``skip(name, round)`` leaves a run out."""
+    samples: dict[str, list[Sample]] = {name: [] for name in names}
+    for index in range(repeat):
+        shift = index % len(names) if rotate else 0
+        for name in [*names[shift:], *names[:shift]]:
+            if skip is None or not skip(name, index):
+                samples[name].append(sample := once(name))
+                print(f"round {index + 1}/{repeat} {name:24} {show(sample)}", flush=True)
+    return samples
+
+
+def median(values: Iterable[float]) -> float | None:
+    """Their median; None where there are none (nothing succeeded)."""
+    kept = list(values)
+    return statistics.median(kept) if kept else None
 
 
 def load_average() -> str:
@@ -41,19 +174,14 @@ def load_average() -> str:
 
 
 def git_state(watched: str, fingerprint: str | None = None) -> str:
-    """The commit measured, and whether the code under ``watched`` differs from it.
-
-    ``watched`` is a directory of the repository (``core/rallypoint/checkpoint``); with
-    uncommitted changes there the state says so, and names the sha256 of ``fingerprint``,
-    a file in that directory, so that two dirty runs can be told apart.
-    """
+    """The commit measured, and whether the code in the directory ``watched`` differs from
+    it; then the sha256 of its file ``fingerprint`` tells two such runs apart."""
 
     def git(*args: str) -> str:
-        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
-        return done.stdout.strip()
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout
 
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    if not git("status", "--porcelain", "--", watched):
+    commit = git("rev-parse", "--short", "HEAD").strip() or "unknown"
+    if not git("status", "--porcelain", "--", watched).strip():
         return commit
     state = f"{commit} + uncommitted changes to {Path(watched).name}/"
     if fingerprint is None:
@@ -62,43 +190,103 @@ def git_state(watched: str, fingerprint: str | None = None) -> str:
     return f"{state} ({fingerprint} sha256 {digest})"
 
 
-def add_render_only(parser: argparse.ArgumentParser, results: Path) -> None:
-    """``--render-only``: rewrite the page and its chart from ``results``, measure nothing."""
-    parser.add_argument(
-        "--render-only",
-        action="store_true",
-        help=f"measure nothing: rewrite the report and chart from {results.relative_to(ROOT)}",
-    )
+# --- the options, the results and the page ------------------------------------------------
 
 
-def write_results(path: Path, results: dict[str, Any]) -> None:
-    """``results`` as indented JSON, the directory made if need be."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2) + "\n")
+def options(doc: str | None, **specs: tuple[Any, str]) -> argparse.ArgumentParser:
+    """The script's options: ``--render-only`` and, for each ``name=(default, help)``,
+    ``--name`` of the default's type (a flag where it is a bool)."""
+    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    render_only = (False, "measure nothing: rewrite the page and charts from the results")
+    for name, (default, text) in {"render_only": render_only, **specs}.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(default, bool):
+            parser.add_argument(flag, action="store_true", help=text)
+        elif isinstance(default, tuple):  # the choices, the first the default
+            parser.add_argument(flag, choices=default, default=default[0], help=text)
+        else:
+            kind, text = type(default), f"{text} (default: %(default)r)"
+            parser.add_argument(flag, type=kind, default=default, help=text)
+    return parser
 
 
-def wrote(*paths: Path) -> None:
-    """Say which files were written: ``wrote a, b and c``, relative to the repository."""
-    names = [str(path.relative_to(ROOT)) for path in paths]
-    print("wrote " + " and ".join(filter(None, [", ".join(names[:-1]), names[-1]])))
+def command_line() -> str:
+    """How this script was run: ``python benchmarks/bench_x.py --repeat 3``."""
+    return " ".join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
 
 
-def pyplot() -> ModuleType:
-    """matplotlib's pyplot on the Agg backend (no display needed), docs/img/ made."""
+def publish(
+    args: argparse.Namespace,
+    name: str,
+    page_name: str,
+    measure: Callable[[argparse.Namespace], dict[str, Any]],
+    draw: Callable[[dict[str, Any]], None],
+    render: Callable[[dict[str, Any]], dict[str, list[str]]],
+) -> None:
+    """Measure (or load, ``--render-only``) the results ``benchmarks/results/NAME.json``,
+    write them, ``draw`` their charts and write the generated blocks of ``docs/PAGE_NAME.md``."""
+    results_file, page = RESULTS / f"{name}.json", DOCS / f"{page_name}.md"
+    if args.render_only:
+        results = json.loads(results_file.read_text())
+    else:
+        began = time.time()
+        # The date of the results, to the minute; the pages take it from there.
+        date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(began))
+        machine = (
+            f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}"
+        )
+        results = {"date": date, "machine": machine, "cpus": os.cpu_count()}
+        results.update(python=platform.python_version(), torch=version("torch"))
+        results.update(command=command_line(), load_before=load_average())
+        results.update(measure(args), load_after=load_average())
+        results.update(wall_seconds=time.time() - began)
+        results_file.parent.mkdir(parents=True, exist_ok=True)
+        results_file.write_text(json.dumps(results, indent=2) + "\n")
+    draw(results)
+    text = page.read_text()
+    for block, lines in render(results).items():
+        begin, end = f"<!-- begin {block} -->", f"<!-- end {block} -->"
+        head, found, rest = text.partition(begin)
+        if not found or end not in rest:
+            raise SystemExit(f"{page.relative_to(ROOT)}: no block {begin} ... {end} to fill")
+        text = "\n".join([head + begin, "", *lines, "", end + rest.partition(end)[2]])
+    page.write_text(text)
+    written = [page] if args.render_only else [results_file, page]
+    print("wrote " + ", ".join(str(path.relative_to(ROOT)) for path in written), flush=True)
+
+
+def measured(results: dict[str, Any], *more: str) -> list[str]:
+    """The bullets that open a page: when and where, then ``more``, then the command."""
+    lines = [f"- Measured: {results['date']} on {results['machine']}", *more]
+    return [*lines, f"- Command: `{results['command']}`"]
+
+
+def table(header: str, rows: Iterable[str | Sequence[object]]) -> list[str]:
+    """A markdown table: ``header`` and each row as cells, or as text, joined by `` | ``."""
+    cells = [row if isinstance(row, str) else " | ".join(map(str, row)) for row in rows]
+    return [f"| {header} |", "|" + "---|" * (header.count(" | ") + 1), *(f"| {c} |" for c in cells)]
+
+
+def number(value: object, unit: str = "", digits: int = 2) -> str:
+    """``1.23 s``; ``n/a`` for a value that was not measured."""
+    return f"{value:.{digits}f}{unit}" if isinstance(value, (int, float)) else "n/a"
+
+
+def figure(*args: Any, **kwargs: Any) -> tuple[Figure, Any]:
+    """``pyplot.subplots`` on the Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    IMAGES.mkdir(parents=True, exist_ok=True)
-    return plt
+    return plt.subplots(*args, **kwargs)  # type: ignore[no-any-return]
 
 
-def save_chart(figure: Figure, path: Path) -> str:
-    """Lay out, save (100 dpi) and close ``figure``; return its address from a docs/ page."""
+def save(chart: Figure, name: str) -> None:
+    """Lay out, save (100 dpi) and close ``chart`` as docs/img/NAME."""
     import matplotlib.pyplot as plt
 
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return f"img/{path.name}"
+    (DOCS / "img").mkdir(parents=True, exist_ok=True)
+    chart.tight_layout()
+    chart.savefig(DOCS / "img" / name, dpi=100)
+    plt.close(chart)
