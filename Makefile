@@ -38,10 +38,14 @@ servers:
 		echo "warning: missing$$missing; install with: sudo apt-get install$$missing (their tests skip, or fail under CI)"; \
 	fi
 
+# lint-imports: the boundaries of the plugin API (pyproject.toml, [tool.importlinter]); the
+# example plugin checks itself from its own folder, as a third party's plugin would.
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache
+	cd docs/plugins/example-plugin && $(abspath $(VENV))/bin/lint-imports --no-cache
 
 # Not --quiet: it hides the warnings that --strict turns into a failure.
 docs: install

@@ -69,9 +69,7 @@ def pm() -> PluginManager:
 
 
 @pytest.fixture
-def agent_tmpdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Run directories of failed or killed agents land in this test's temporary directory."""
-    agent_tmp = tmp_path / "agent-tmp"
-    agent_tmp.mkdir()
-    monkeypatch.setenv("TMPDIR", str(agent_tmp))
-    return agent_tmp
+def agent_tmpdir(rallypoint_agent_tmpdir: Path) -> Path:
+    """Run directories of failed or killed agents land in this test's temporary directory
+    (the testing kit's fixture, under the name the core's tests use)."""
+    return rallypoint_agent_tmpdir

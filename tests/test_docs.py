@@ -112,6 +112,19 @@ def test_hook_reference_is_up_to_date() -> None:
     assert result.returncode == 0, result.stderr
 
 
+def test_the_plugin_api_page_is_what_its_generator_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/plugins/api.md has one row per name of ``rallypoint.sdk.__all__``, in order, and
+    is the page docs/gen_api_reference.py writes today (else: run it)."""
+    from rallypoint import sdk
+
+    monkeypatch.syspath_prepend(str(DOCS))
+    import gen_api_reference
+
+    page = gen_api_reference.OUTPUT.read_text(encoding="utf-8")
+    assert re.findall(r"^\| `(\w+)` \|", page, re.MULTILINE) == list(sdk.__all__)
+    assert page == gen_api_reference.render()
+
+
 def test_user_guide_flags_exist() -> None:
     accepted = all_command_flags()
     mentioned = set(_FLAG.findall(USER_GUIDE.read_text(encoding="utf-8")))

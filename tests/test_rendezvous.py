@@ -27,9 +27,9 @@ from launch import (
     wait_for_text,
     worker,
 )
+from rallypoint.interfaces import StoreError, StoreUnavailable
 from rallypoint.rendezvous.memory import MemoryStore
 from rallypoint.rendezvous.retrying import RetryingStore
-from rallypoint.rendezvous.store import StoreError, StoreUnavailable
 from rallypoint.rendezvous.tcpstore import TCPStoreClient
 from servers import free_port
 

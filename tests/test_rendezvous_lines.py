@@ -18,7 +18,7 @@ from rallypoint.rendezvous.protocol import (
     settle_generation,
 )
 
-SETTINGS = Settings(min_nodes=2, max_nodes=4, last_call_timeout=30)
+SETTINGS = Settings.from_conf(2, 4, {"last_call_timeout": 30})
 
 
 @pytest.mark.parametrize(

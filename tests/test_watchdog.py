@@ -15,13 +15,14 @@ import pytest
 
 import rallypoint
 from launch import rallypoint as run_rallypoint
-from rallypoint import progress, worker_channel
 from rallypoint.agent.failures import describe_exit, describe_failure
 from rallypoint.agent.watchdog import Watchdog
 from rallypoint.config import LaunchConfig
 from rallypoint.errors import UsageError
 from rallypoint.events import WorkerFailure
 from rallypoint.plugins import get_plugin_manager
+from rallypoint.worker import channel as worker_channel
+from rallypoint.worker import progress
 
 # --- the worker's side ------------------------------------------------------------------
 

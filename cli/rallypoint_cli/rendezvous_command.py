@@ -7,16 +7,15 @@ import json
 
 import typer
 
-from rallypoint.config import check_run_id, parse_options
+from rallypoint.config import check_run_id, choose_rendezvous
 from rallypoint.errors import UsageError
 from rallypoint.extensions import RendezvousRequest
+from rallypoint.interfaces import CoordinationStore
 from rallypoint.plugins import PluginManager
 from rallypoint.registry import RENDEZVOUS_BACKENDS
-from rallypoint.rendezvous import torch_keys
 from rallypoint.rendezvous.factory import connect
 from rallypoint.rendezvous.protocol import Keys, Settings, current_generation, inspect_run
 from rallypoint.rendezvous.status import read_status
-from rallypoint.rendezvous.store import CoordinationStore
 
 
 def _open(
@@ -24,14 +23,10 @@ def _open(
 ) -> tuple[CoordinationStore, Keys, Settings]:
     """A read-only client of the job's store, the job's keys and settings."""
     check_run_id(rdzv_id)
-    backend = pm.registry.get(RENDEZVOUS_BACKENDS, rdzv_backend)
-    conf_text, _ = torch_keys.translate(
-        rdzv_conf, {o.name for o in backend.options}, backend.torch_keys, backend.name
-    )
-    conf = parse_options(conf_text, backend.options, "--rdzv-conf", f"the {backend.name} backend")
-    request = RendezvousRequest(rdzv_id, rdzv_endpoint, conf, viewer=True)
-    settings = Settings.from_conf(1, 1, conf)
-    return connect(backend, request), Keys(settings.prefix, rdzv_id), settings
+    backend, _ = choose_rendezvous(pm.registry, rdzv_backend, rdzv_conf)
+    request = RendezvousRequest(rdzv_id, rdzv_endpoint, backend.options, viewer=True)
+    settings = Settings.from_conf(1, 1, backend.options)
+    return connect(backend.item, request), Keys(settings.prefix, rdzv_id), settings
 
 
 BACKEND = typer.Option("c10d", "--rdzv-backend", "--rdzv_backend")

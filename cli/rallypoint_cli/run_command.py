@@ -132,6 +132,7 @@ def register(app: typer.Typer, pm: PluginManager) -> None:
         ),
         restart_conf: str = flag("restart-conf", "", "Restart policy settings as key=value,..."),
         rank_assigner: str = flag("rank-assigner", "ordered", f"Rank assignment: {assigners}."),
+        rank_conf: str = flag("rank-conf", "", "Rank assigner settings as key=value,..."),
         node_label: list[str] = flag(
             "node-label", None, "KEY=VALUE label of this node (repeatable), for rank assignment."
         ),

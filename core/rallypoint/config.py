@@ -16,18 +16,27 @@ import signal
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from importlib import metadata
+from typing import Any, Generic, TypeVar
 
 from rallypoint.errors import UsageError
-from rallypoint.extensions import ConfigOption
+from rallypoint.extensions import (
+    ConfigOption,
+    MetricsSink,
+    RankAssigner,
+    RendezvousBackend,
+    RestartPolicy,
+)
 from rallypoint.registry import (
     METRICS_SINKS,
     RANK_ASSIGNERS,
     RENDEZVOUS_BACKENDS,
     RESTART_POLICIES,
+    Kind,
     Registry,
 )
 from rallypoint.rendezvous import torch_keys
+from rallypoint.slurm import apply_slurm
 
 #: torchrun's defaults, kept so that a torchrun command line means the same here.
 DEFAULT_MASTER_PORT = 29500
@@ -36,7 +45,21 @@ DEFAULT_EXIT_BARRIER_TIMEOUT = 300.0
 STANDALONE_ENDPOINT = "localhost:0"
 
 _STD_VALUES = {0: "none", 1: "stdout", 2: "stderr", 3: "both"}
-from rallypoint.slurm import apply_slurm
+
+#: The registrations chosen by name with options of their own.
+R = TypeVar("R", bound=RendezvousBackend | RestartPolicy | RankAssigner | MetricsSink)
+
+
+@dataclass(frozen=True)
+class Choice(Generic[R]):
+    """A registration a flag chose, with its own options parsed (every declared key present)."""
+
+    item: R
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.item.name
 
 
 @dataclass(frozen=True)
@@ -49,14 +72,16 @@ class LaunchConfig:
     """
 
     training_script: str
+    rendezvous: Choice[RendezvousBackend]
+    restart: Choice[RestartPolicy]
+    assigner: Choice[RankAssigner]
+    sinks: tuple[Choice[MetricsSink], ...] = ()
     training_script_args: tuple[str, ...] = ()
     min_nodes: int = 1
     max_nodes: int = 1
     nproc_per_node: int = 1
-    rdzv_backend: str = "static"
     rdzv_endpoint: str = ""
     rdzv_id: str = "none"
-    rdzv_conf: Mapping[str, Any] = field(default_factory=dict)
     standalone: bool = False
     max_restarts: int = 0
     monitor_interval: float = 0.1
@@ -76,12 +101,7 @@ class LaunchConfig:
     signals_to_handle: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     exit_barrier_timeout: float = DEFAULT_EXIT_BARRIER_TIMEOUT
-    restart_policy: str = "max-restarts"
-    restart_conf: Mapping[str, Any] = field(default_factory=dict)
-    rank_assigner: str = "ordered"
     node_labels: Mapping[str, str] = field(default_factory=dict)
-    metrics: tuple[str, ...] = ()
-    metrics_conf: Mapping[str, Any] = field(default_factory=dict)
     checkpoint_dir: str | None = None
     event_log: str | None = None
     watchdog_timeout: float | None = None  # seconds without a heartbeat; None: no watchdog
@@ -99,12 +119,42 @@ class LaunchConfig:
         """Whether the job may run on fewer nodes than its maximum (``--nnodes MIN:MAX``)."""
         return self.min_nodes != self.max_nodes
 
+    # The chosen names and options, read as torchrun's flags name them.
+    @property
+    def rdzv_backend(self) -> str:
+        return self.rendezvous.name
+
+    @property
+    def rdzv_conf(self) -> Mapping[str, Any]:
+        return self.rendezvous.options
+
+    @property
+    def restart_policy(self) -> str:
+        return self.restart.name
+
+    @property
+    def restart_conf(self) -> Mapping[str, Any]:
+        return self.restart.options
+
+    @property
+    def rank_assigner(self) -> str:
+        return self.assigner.name
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        return tuple(sink.name for sink in self.sinks)
+
+    @property
+    def metrics_conf(self) -> Mapping[str, Any]:
+        """Every chosen sink's options in one mapping (each sink has its own in ``sinks``)."""
+        return {key: value for sink in self.sinks for key, value in sink.options.items()}
+
     @classmethod
     def from_flags(cls, registry: Registry, **flags: Any) -> LaunchConfig:
         """Parse and check the raw flag values of ``rallypoint run``.
 
-        ``flags`` are named like the fields; text-valued flags (``nnodes``,
-        ``nproc_per_node``, ``rdzv_conf``, ``redirects``...) arrive as the user typed them.
+        ``flags`` are named like torchrun's flags (``nnodes``, ``rdzv_backend``,
+        ``rdzv_conf``, ``metrics``...); text-valued flags arrive as the user typed them.
 
         Raises:
             UsageError: one sentence naming the flag, the bad value and what is expected.
@@ -118,80 +168,7 @@ class LaunchConfig:
         values["min_nodes"], values["max_nodes"] = min_nodes, max_nodes
         values["nproc_per_node"] = parse_nproc_per_node(str(values.get("nproc_per_node", "1")))
         check_run_id(str(values.get("rdzv_id", "none")))
-
-        # As in torchrun: --standalone, and a one-node static job given neither an endpoint
-        # nor a master port, run a local c10d rendezvous on a free port with a fresh run id.
-        implicit = (
-            values.get("rdzv_backend", "static") == "static"
-            and not values.get("rdzv_endpoint")
-            and values.get("master_port") is None
-            and max_nodes == 1
-        )
-        if values.get("standalone") and max_nodes > 1:
-            raise UsageError(
-                f"--standalone runs a job of one node, but --nnodes {nnodes.strip()} allows "
-                f"{max_nodes}: leave out --standalone and give --rdzv-backend and "
-                "--rdzv-endpoint for a job of several nodes."
-            )
-        if values.get("standalone") or implicit:
-            values["rdzv_backend"] = "c10d"
-            values["rdzv_endpoint"] = STANDALONE_ENDPOINT
-            values["rdzv_id"] = str(uuid.uuid4())
-        backend = registry.get(RENDEZVOUS_BACKENDS, values.get("rdzv_backend", "static"))
-        values["rdzv_backend"] = backend.name
-        if backend.endpoint_required and not values.get("rdzv_endpoint"):
-            raise UsageError(
-                f"--rdzv-endpoint is required with --rdzv-backend {backend.name} "
-                "(give host:port of the rendezvous service)."
-            )
-        rdzv_conf, notes = torch_keys.translate(
-            values.get("rdzv_conf") or "",
-            {option.name for option in backend.options},
-            backend.torch_keys,
-            backend.name,
-        )
-        values["notes"] = notes
-        values["rdzv_conf"] = parse_options(
-            rdzv_conf, backend.options, "--rdzv-conf", f"the {backend.name} backend"
-        )
-        if backend.name == "static":
-            _check_static(min_nodes, max_nodes, values.get("node_rank", 0))
-
-        policy = registry.get(RESTART_POLICIES, values.get("restart_policy", "max-restarts"))
-        values["restart_policy"] = policy.name
-        values["restart_conf"] = parse_options(
-            values.get("restart_conf") or "",
-            policy.options,
-            "--restart-conf",
-            f"the {policy.name} policy",
-        )
-        values["rank_assigner"] = registry.get(
-            RANK_ASSIGNERS, values.get("rank_assigner", "ordered")
-        ).name
-
-        sinks = [
-            registry.get(METRICS_SINKS, name) for name in split_list(values.get("metrics") or "")
-        ]
-        values["metrics"] = tuple(dict.fromkeys(sink.name for sink in sinks))
-        sink_options = {option.name: option for sink in sinks for option in sink.options}
-        metrics_conf = values.get("metrics_conf") or ""
-        metrics_port = values.pop("metrics_port", None)
-        if metrics_port is not None:  # --metrics-port N is --metrics-conf port=N
-            if "port" not in sink_options:
-                raise UsageError(
-                    f"--metrics-port {metrics_port}: none of the chosen --metrics sinks serves "
-                    "an endpoint; add one that does (--metrics prometheus)."
-                )
-            metrics_conf = f"{metrics_conf},port={metrics_port}".lstrip(",")
-        values["metrics_conf"] = parse_options(
-            metrics_conf,
-            tuple(sink_options.values()),
-            "--metrics-conf",
-            "the chosen --metrics sinks",
-        )
-
-        if values.get("checkpoint_dir"):
-            registry.checkpoint_backend_for(values["checkpoint_dir"])
+        _choose_plugins(values, registry, nnodes)
         values["node_labels"] = parse_labels(values.get("node_labels") or ())
         values["redirects"] = parse_std_spec(str(values.get("redirects", "0")), "--redirects")
         values["tee"] = parse_std_spec(str(values.get("tee", "0")), "--tee")
@@ -208,6 +185,129 @@ class LaunchConfig:
         _check_script(values)
         _check_outputs(values)
         return cls(**values)
+
+
+# --- the plugins the flags choose, each looked up once ----------------------------------------
+
+
+def _choose_plugins(values: dict[str, Any], registry: Registry, nnodes: str) -> None:
+    """Replace the flags that name plugins (and their ``-conf`` flags) in ``values`` with
+    the chosen registrations and their parsed options."""
+    _standalone(values, nnodes)
+    values["rendezvous"], values["notes"] = choose_rendezvous(
+        registry, values.pop("rdzv_backend", "static"), values.pop("rdzv_conf", None) or ""
+    )
+    backend = values["rendezvous"].item
+    if backend.endpoint_required and not values.get("rdzv_endpoint"):
+        raise UsageError(
+            f"--rdzv-endpoint is required with --rdzv-backend {backend.name} "
+            "(give host:port of the rendezvous service)."
+        )
+    if backend.name == "static":
+        _check_static(values["min_nodes"], values["max_nodes"], values.get("node_rank", 0))
+    values["restart"] = _choose(
+        registry,
+        RESTART_POLICIES,
+        values.pop("restart_policy", "max-restarts"),
+        values.pop("restart_conf", None) or "",
+        "--restart-conf",
+    )
+    values["assigner"] = _choose(
+        registry,
+        RANK_ASSIGNERS,
+        values.pop("rank_assigner", "ordered"),
+        values.pop("rank_conf", None) or "",
+        "--rank-conf",
+    )
+    values["sinks"] = _choose_sinks(
+        registry,
+        values.pop("metrics", None) or "",
+        values.pop("metrics_conf", None) or "",
+        values.pop("metrics_port", None),
+    )
+    if values.get("checkpoint_dir"):
+        registry.checkpoint_backend_for(values["checkpoint_dir"])
+
+
+def _standalone(values: dict[str, Any], nnodes: str) -> None:
+    """As in torchrun: --standalone, and a one-node static job given neither an endpoint
+    nor a master port, run a local c10d rendezvous on a free port with a fresh run id."""
+    max_nodes = values["max_nodes"]
+    implicit = (
+        values.get("rdzv_backend", "static") == "static"
+        and not values.get("rdzv_endpoint")
+        and values.get("master_port") is None
+        and max_nodes == 1
+    )
+    if values.get("standalone") and max_nodes > 1:
+        raise UsageError(
+            f"--standalone runs a job of one node, but --nnodes {nnodes.strip()} allows "
+            f"{max_nodes}: leave out --standalone and give --rdzv-backend and "
+            "--rdzv-endpoint for a job of several nodes."
+        )
+    if values.get("standalone") or implicit:
+        values["rdzv_backend"] = "c10d"
+        values["rdzv_endpoint"] = STANDALONE_ENDPOINT
+        values["rdzv_id"] = str(uuid.uuid4())
+
+
+def choose_rendezvous(
+    registry: Registry, name: str, conf: str
+) -> tuple[Choice[RendezvousBackend], tuple[str, ...]]:
+    """The backend ``--rdzv-backend`` names with its ``--rdzv-conf`` parsed (torch's keys
+    translated), and what to tell the user about torch keys that have no effect here."""
+    backend = registry.get(RENDEZVOUS_BACKENDS, name)
+    text, notes = torch_keys.translate(
+        conf, {option.name for option in backend.options}, backend.torch_keys, backend.name
+    )
+    options = parse_options(text, backend.options, "--rdzv-conf", f"the {backend.name} backend")
+    _validate(backend, options, "--rdzv-conf")
+    return Choice(backend, options), notes
+
+
+def _choose(registry: Registry, kind: Kind[R], name: str, conf: str, flag: str) -> Choice[R]:
+    item = registry.get(kind, name)
+    options = parse_options(conf, item.options, flag, f"the {item.name} {kind.label}")
+    _validate(item, options, flag)
+    return Choice(item, options)
+
+
+def _choose_sinks(
+    registry: Registry, names: str, conf: str, port: int | None
+) -> tuple[Choice[MetricsSink], ...]:
+    """The ``--metrics`` sinks, each with the ``--metrics-conf`` keys it declares;
+    ``--metrics-port N`` sets the ``port`` of each sink that serves an endpoint."""
+    sinks = {
+        sink.name: sink for sink in (registry.get(METRICS_SINKS, n) for n in split_list(names))
+    }
+    declared = [option for sink in sinks.values() for option in sink.options]
+    if port is not None and not any(option.name == "port" for option in declared):
+        raise UsageError(
+            f"--metrics-port {port}: none of the chosen --metrics sinks serves an endpoint; "
+            "add one that does (--metrics prometheus)."
+        )
+    parse_options(conf, declared, "--metrics-conf", "the chosen --metrics sinks")  # every key
+    chosen = []
+    for sink in sinks.values():
+        own = {option.name for option in sink.options}
+        pairs = [pair for pair in split_list(conf) if pair.partition("=")[0].strip() in own]
+        options = parse_options(",".join(pairs), sink.options, "--metrics-conf", sink.name)
+        if port is not None and "port" in own:  # the flag wins over --metrics-conf port=
+            options["port"] = port
+        _validate(sink, options, "--metrics-conf")
+        chosen.append(Choice(sink, options))
+    return tuple(chosen)
+
+
+def _validate(item: Any, options: Mapping[str, Any], flag: str) -> None:
+    """A registration's own check across its options (``validate``), as a usage error."""
+    validate = getattr(item, "validate", None)
+    if validate is None:
+        return
+    try:
+        validate(options)
+    except ValueError as error:
+        raise UsageError(f"{flag} {error}") from None
 
 
 # --- parsers, one per flag format -----------------------------------------------------------
@@ -381,14 +481,25 @@ def parse_filters(text: str) -> tuple[str, ...]:
 
 #: torch 2.13's event handlers (``torch.distributed.elastic.events.handlers``).
 EVENT_LOG_HANDLERS = ("console", "dynamic_rendezvous", "null")
+#: torchrun's entry-point group for ``--logs-specs``.
+LOGS_SPECS_GROUP = "torchrun.logs_specs"
+#: torchrun's ``--numa-binding`` modes (``rallypoint.agent.numa`` binds by them).
+NUMA_BINDINGS = ("node", "socket", "exclusive", "core-complex")
+
+
+def check_logs_specs(name: str) -> None:
+    """Refuse a ``--logs-specs`` name no installed distribution registers."""
+    names = sorted(ep.name for ep in metadata.entry_points(group=LOGS_SPECS_GROUP))
+    if name not in names:
+        valid = ", ".join(names) if names else "none is installed"
+        raise UsageError(
+            f"--logs-specs {name!r}: no {LOGS_SPECS_GROUP} entry point of that name ({valid})."
+        )
 
 
 def _parse_torchrun_extras(values: dict[str, Any]) -> None:
     """``--logs-specs``, ``--event-log-handler``, ``--duplicate-*-filters``,
     ``--numa-binding`` and ``--virtual-local-rank``, with torchrun's meanings."""
-    from rallypoint.agent.logs import check_logs_specs
-    from rallypoint.agent.numa import MODES
-
     if values.get("logs_specs"):
         check_logs_specs(values["logs_specs"])
     handler = str(values.get("event_log_handler") or "null")
@@ -401,8 +512,8 @@ def _parse_torchrun_extras(values: dict[str, Any]) -> None:
         raw = values.get(key) or ()
         values[key] = raw if isinstance(raw, tuple) else parse_filters(str(raw))
     mode = values.get("numa_binding")
-    if mode is not None and mode not in MODES:
-        raise UsageError(f"--numa-binding {mode!r}: choose one of {', '.join(MODES)}.")
+    if mode is not None and mode not in NUMA_BINDINGS:
+        raise UsageError(f"--numa-binding {mode!r}: choose one of {', '.join(NUMA_BINDINGS)}.")
     if values.get("virtual_local_rank"):
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         devices = [d for d in (visible or "").split(",") if d.strip()]

@@ -10,6 +10,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 
+def one_line(error: BaseException | str) -> str:
+    """An error as one line: ``Type: message``, a multi-line message joined with ``; ``."""
+    if isinstance(error, str):
+        return error
+    detail = "; ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    return f"{type(error).__name__}: {detail}" if detail else type(error).__name__
+
+
 class RallypointError(Exception):
     """Base class: a failure with a message fit to show a user as it is."""
 

@@ -7,6 +7,7 @@ JSON-lines event log, so a plugin, a dashboard and a benchmark all see one accou
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Mapping
@@ -110,6 +111,9 @@ class Event:
         data: details of the event; values are JSON-serialisable.
         wall_time: seconds since the epoch, for people and other hosts.
         monotonic: ``time.monotonic()``, for measuring durations on one host.
+        subject: the record the event is about, typed: the ``RoundInfo`` of
+            ``rendezvous_completed`` and ``workers_started``, the ``WorkerFailure`` of
+            ``worker_failed``; ``None`` for the others. Its fields are in ``data`` too.
     """
 
     name: str
@@ -117,6 +121,15 @@ class Event:
     data: Mapping[str, Any] = field(default_factory=dict)
     wall_time: float = field(default_factory=time.time)
     monotonic: float = field(default_factory=time.monotonic)
+    subject: RoundInfo | WorkerFailure | None = None
+
+    @classmethod
+    def of(
+        cls, name: str, run: RunInfo, subject: RoundInfo | WorkerFailure | None = None, **data: Any
+    ) -> Event:
+        """The event ``name`` about ``subject``, whose fields go into ``data`` with the rest."""
+        fields = dataclasses.asdict(subject) if subject is not None else {}
+        return cls(name, run, {**fields, **data}, subject=subject)
 
     def to_json(self) -> str:
         """One compact JSON object, the format of the event log and the ``jsonl`` sink."""

@@ -12,14 +12,10 @@ import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from rallypoint.events import Event, RunInfo, WorkerFailure
-
-if TYPE_CHECKING:
-    from rallypoint.checkpoint.storage import CheckpointStorage
-    from rallypoint.rendezvous.handler import RendezvousHandler
-    from rallypoint.rendezvous.store import CoordinationStore
+from rallypoint.interfaces import CheckpointStorage, CoordinationStore, RendezvousHandler
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 _TRUE = {"1", "true", "yes", "on"}
@@ -119,6 +115,12 @@ class ConfigOption:
         return text
 
 
+#: A registration's check across its parsed options (every declared key present), run when
+#: the flags are parsed: raise ``ValueError("key=value ...: why, and what to do")`` and the
+#: user sees it after the flag's name, as one sentence, before anything starts.
+Validate = Callable[[Mapping[str, Any]], None]
+
+
 # --- rendezvous backends ------------------------------------------------------------------
 
 #: Options of the rendezvous protocol itself, shared by every backend built on it. Names and
@@ -164,6 +166,32 @@ COMMON_RENDEZVOUS_OPTIONS: tuple[ConfigOption, ...] = (
 )
 
 
+def liveness_ttl(options: Mapping[str, Any], key: str) -> float:
+    """The TTL of a backend whose liveness expires (``key``: etcd's ``lease_ttl``, Redis's
+    ``key_ttl``): the value given, else two thirds of ``heartbeat_timeout`` (10 s at the
+    default 15). Agents refresh it every ``heartbeat_timeout / 3``; two refreshes fit in it,
+    so one late refresh does not make a live agent look dead.
+    """
+    given = options.get(key)
+    return float(given) if given is not None else 2 * float(options["heartbeat_timeout"]) / 3
+
+
+def check_liveness_ttl(options: Mapping[str, Any], key: str) -> None:
+    """The check of ``liveness_ttl``, for a backend's ``validate``: a TTL given that two
+    refreshes do not fit in is refused.
+
+    Raises:
+        ValueError: naming the value and the least it may be.
+    """
+    ttl, heartbeat = liveness_ttl(options, key), float(options["heartbeat_timeout"])
+    if ttl < 2 * heartbeat / 3:
+        raise ValueError(
+            f"{key}={ttl:g} is shorter than two key refreshes (agents refresh their liveness "
+            f"every heartbeat_timeout/3 = {heartbeat / 3:g} s): live agents would look dead; set "
+            f"{key} to at least {2 * heartbeat / 3:g} or lower heartbeat_timeout."
+        )
+
+
 @dataclass(frozen=True)
 class RendezvousRequest:
     """What a rendezvous backend is given to serve one agent.
@@ -200,9 +228,9 @@ class RendezvousBackend:
     """A rendezvous backend, chosen with ``--rdzv-backend NAME``.
 
     A backend gives one of two things. ``connect``: a client of its coordination store
-    (``rallypoint.rendezvous.store.CoordinationStore``), on which core runs the whole
+    (``rallypoint.interfaces.CoordinationStore``), on which core runs the whole
     rendezvous protocol; this is the usual way, and the etcd and Redis plugins take it.
-    Or ``create_handler``: a complete ``rallypoint.rendezvous.handler.RendezvousHandler``,
+    Or ``create_handler``: a complete ``rallypoint.interfaces.RendezvousHandler``,
     for a backend with its own protocol.
 
     Attributes:
@@ -219,6 +247,7 @@ class RendezvousBackend:
             ``{"etcd_prefix": "prefix"}``). torch's ``timeout`` is ``join_timeout`` on
             every backend; a torch key a backend neither declares nor renames is accepted
             and reported as having no effect (``rallypoint.rendezvous.torch_keys``).
+        validate: checks across options, run when the flags are parsed (see ``Validate``).
     """
 
     name: str
@@ -228,6 +257,7 @@ class RendezvousBackend:
     connect: Callable[[RendezvousRequest], CoordinationStore] | None = None
     create_handler: Callable[[RendezvousRequest], RendezvousHandler] | None = None
     torch_keys: Mapping[str, str] = field(default_factory=dict)
+    validate: Validate | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", normalise_name(self.name))
@@ -240,13 +270,21 @@ class RendezvousBackend:
 class RestartRequest:
     """What a restart policy is asked to decide on, after a worker failure.
 
+    The agent builds one after every failure; a test builds its own, giving the two
+    counts and whatever else the policy reads:
+    ``RestartRequest(0, 3, WorkerFailure(local_rank=0, rank=0, pid=1234, exit_code=1),
+    {"delay": 5.0}, attempt_uptimes=(42.0,))``.
+
     Attributes:
         restarts_done: restarts already made in this run (membership changes not counted).
         max_restarts: the ``--max-restarts`` value.
-        failure: the first worker that failed (the root cause).
-        options: the policy's ``--restart-conf`` values, every declared key present.
+        failure: the first worker that failed (the root cause). Default ``None``: the
+            agent always gives one, but a policy must answer without one too (the
+            conformance suite asks).
+        options: the policy's ``--restart-conf`` values, every declared key present;
+            default empty.
         attempt_uptimes: how long each failed attempt of this run ran, in seconds, oldest
-            first; the last one is the attempt that just failed.
+            first; the last one is the attempt that just failed. Default empty.
     """
 
     restarts_done: int
@@ -274,12 +312,14 @@ class RestartPolicy:
         description: one line for humans.
         decide: a pure function from a ``RestartRequest`` to a ``RestartDecision``.
         options: the ``--restart-conf`` keys it accepts.
+        validate: checks across options, run when the flags are parsed (see ``Validate``).
     """
 
     name: str
     description: str
     decide: Callable[[RestartRequest], RestartDecision]
     options: tuple[ConfigOption, ...] = ()
+    validate: Validate | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", normalise_name(self.name))
@@ -292,11 +332,21 @@ class RestartPolicy:
 class NodeSpec:
     """One node of a rendezvous round, as a rank assigner sees it.
 
+    The rendezvous builds one per member of a round, from the record each node wrote when
+    it joined; a test builds them directly, giving only what the assigner reads:
+    ``NodeSpec("node-a", host="10.0.0.2", labels={"rack": "a"}, previous_rank=1)``.
+
     Attributes:
-        node_id: unique per agent process and stable for its life.
-        host: the node's address.
-        labels: its ``--node-label KEY=VALUE`` pairs.
-        previous_rank: its group rank in the previous round, ``None`` if it is new.
+        node_id: unique per agent process and stable for its life (the agent's is
+            ``<hostname>_<pid>_<8 hex digits>``); the one field without a default.
+        host: the node's address, as the other nodes reach it (``--local-addr``, else
+            the host's name); default ``""``.
+        labels: its ``--node-label KEY=VALUE`` pairs as a ``Mapping[str, str]``, keys and
+            values stripped (``--node-label rack=a --node-label zone=1``, or
+            ``--node-label rack=a,zone=1``, give ``{"rack": "a", "zone": "1"}``; a key
+            given twice keeps its last value). Empty by default; read-only to assigners.
+        previous_rank: its group rank in the previous round, ``None`` if it is new (and in
+            the first round); default ``None``.
     """
 
     node_id: str
@@ -309,16 +359,28 @@ class NodeSpec:
 class RankAssigner:
     """A rank assignment, chosen with ``--rank-assigner NAME``.
 
+    The leader of every round of rallypoint's rendezvous protocol calls ``assign``, in a
+    job of one node too: that job runs the protocol on a store in the agent's memory, and
+    ``assign`` gets a list of one node, to which it must answer ``[0]``. A ``static`` job
+    of several nodes does not call it (its ranks are the ``--node-rank`` values given),
+    and a backend with a ``create_handler`` of its own decides whether to.
+
     Attributes:
         name: the value of ``--rank-assigner``.
         description: one line for humans.
         assign: given the round's nodes in join order, return their group ranks in the same
             order: a permutation of ``0..len(nodes)-1``, the same for the same input.
+            An assigner that declares ``options`` is called ``assign(nodes, options=...)``
+            with its ``--rank-conf`` values, every declared key present.
+        options: the ``--rank-conf`` keys it accepts.
+        validate: checks across options, run when the flags are parsed (see ``Validate``).
     """
 
     name: str
     description: str
-    assign: Callable[[Sequence[NodeSpec]], Sequence[int]]
+    assign: Callable[..., Sequence[int]]
+    options: tuple[ConfigOption, ...] = ()
+    validate: Validate | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", normalise_name(self.name))
@@ -396,6 +458,7 @@ class MetricsSink:
             a metrics directory (``RALLYPOINT_METRICS_DIR``, files in prometheus_client's
             multiprocess format) and the sink its path in ``SinkContext.worker_metrics_dir``.
             Without such a sink, ``rallypoint.metrics`` calls in workers do nothing.
+        validate: checks across options, run when the flags are parsed (see ``Validate``).
     """
 
     name: str
@@ -403,6 +466,7 @@ class MetricsSink:
     create: Callable[[SinkContext], EventSink]
     options: tuple[ConfigOption, ...] = ()
     worker_metrics: bool = False
+    validate: Validate | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", normalise_name(self.name))

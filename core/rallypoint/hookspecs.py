@@ -53,8 +53,7 @@ def register_rendezvous_backends() -> Iterable[RendezvousBackend]:
 
     Example::
 
-        from rallypoint import hookimpl
-        from rallypoint.extensions import COMMON_RENDEZVOUS_OPTIONS, ConfigOption, RendezvousBackend
+        from rallypoint.sdk import COMMON_RENDEZVOUS_OPTIONS, ConfigOption, RendezvousBackend, hookimpl
 
         def connect(request):
             from consul_rendezvous.store import ConsulStore  # a CoordinationStore
@@ -84,8 +83,7 @@ def register_restart_policies() -> Iterable[RestartPolicy]:
 
     Example::
 
-        from rallypoint import hookimpl
-        from rallypoint.extensions import ConfigOption, RestartDecision, RestartPolicy
+        from rallypoint.sdk import ConfigOption, RestartDecision, RestartPolicy, hookimpl
 
         def _decide(request):
             if request.failure and request.failure.exit_code == 3:
@@ -117,8 +115,7 @@ def register_rank_assigners() -> Iterable[RankAssigner]:
 
     Example::
 
-        from rallypoint import hookimpl
-        from rallypoint.extensions import RankAssigner
+        from rallypoint.sdk import RankAssigner, hookimpl
 
         def _by_host(nodes):
             order = sorted(range(len(nodes)), key=lambda i: (nodes[i].host, nodes[i].node_id))
@@ -145,8 +142,7 @@ def register_checkpoint_backends() -> Iterable[CheckpointBackend]:
 
     Example::
 
-        from rallypoint import hookimpl
-        from rallypoint.extensions import CheckpointBackend
+        from rallypoint.sdk import CheckpointBackend, hookimpl
 
         def open_storage(url):
             from my_s3_store.storage import S3Storage  # a CheckpointStorage
@@ -174,8 +170,7 @@ def register_metrics_sinks() -> Iterable[MetricsSink]:
     Example::
 
         import sys
-        from rallypoint import hookimpl
-        from rallypoint.extensions import MetricsSink
+        from rallypoint.sdk import MetricsSink, hookimpl
 
         class _Stderr:
             def emit(self, event):
@@ -204,7 +199,7 @@ def register_commands(app: typer.Typer) -> None:
     Example::
 
         import typer
-        from rallypoint import hookimpl
+        from rallypoint.sdk import hookimpl
 
         @hookimpl
         def register_commands(app):

@@ -16,19 +16,21 @@ Environment switches (read when the plugin manager is first built):
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 import importlib.metadata
 import logging
 import os
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import pluggy
 
 from rallypoint import __version__, hookspecs
+from rallypoint.errors import one_line
 from rallypoint.registry import Registry
 
 logger = logging.getLogger(__name__)
@@ -101,26 +103,74 @@ class PluginManager(pluggy.PluginManager):
         self.infos[info.name] = info
         try:
             self.register(plugin, name=info.name)
-            # Catches hooks that are misspelt or not declared anywhere, per plugin.
-            self.check_pending()
+            unknown = self._unknown_hook(plugin)
         except Exception as error:  # a plugin may fail in any way; it must not stop us
-            if self.is_registered(plugin):
-                self.unregister(plugin)
-            self.mark_broken(info.name, error)
+            unknown = one_line(error)
+        if unknown is not None:
+            self.mark_broken(info.name, unknown)
             return False
         callers = self.get_hookcallers(plugin) or []
         info.hooks = tuple(sorted(caller.name for caller in callers))
         return True
 
+    def _unknown_hook(self, plugin: object) -> str | None:
+        """Why ``plugin`` is refused if it implements a hook rallypoint does not have (what
+        pluggy's ``check_pending`` catches, with the closest hook names), else None.
+
+        An implementation marked ``optionalhook`` may name a hook this rallypoint lacks.
+        """
+        hooks = sorted(
+            name
+            for name, caller in vars(self.hook).items()
+            if not name.startswith("_") and caller.has_spec()
+        )
+        for caller in self.get_hookcallers(plugin) or []:
+            mine = [impl for impl in caller.get_hookimpls() if impl.plugin is plugin]
+            if caller.has_spec() or all(impl.optionalhook for impl in mine):
+                continue
+            # Hook names share their "register_" or "on_": at the default cutoff (0.6)
+            # unrelated hooks come close.
+            close = difflib.get_close_matches(caller.name, hooks, cutoff=0.7)
+            if not close:
+                return f"unknown hook {caller.name!r}: rallypoint has no hook like it"
+            return f"unknown hook {caller.name!r}: did you mean {' or '.join(map(repr, close))}?"
+        return None
+
     def mark_broken(self, name: str, error: BaseException | str) -> None:
         """Unregister plugin ``name``, forget what it registered and record why."""
         info = self.infos[name]
         info.status = BROKEN
-        info.error = _one_line(error)
+        info.error = one_line(error)
         plugin = self.get_plugin(name)
         if plugin is not None:
             self.unregister(plugin)
         self.registry.forget(name)
+
+    def collect(self) -> None:
+        """Collect every plugin's registrations into ``registry`` afresh, and mark broken
+        the plugins whose registrations are unusable."""
+        found = Registry.collect(self.implementations, self.infos)
+        self.registry = found.registry
+        for name, info in self.infos.items():
+            info.registered = found.registered.get(name, {})
+        for name, why in found.broken.items():
+            self.mark_broken(name, why)
+
+    def implementations(
+        self, hook_name: str, **kwargs: Any
+    ) -> list[tuple[str, Callable[[], list[Any]]]]:
+        """Each plugin implementing ``hook_name``, with a call of its implementation alone
+        (through pluggy, and so through tracing) that returns its results."""
+        caller = getattr(self.hook, hook_name)
+        found: list[tuple[str, Callable[[], list[Any]]]] = []
+        for impl in list(caller.get_hookimpls()):
+            name = self.get_name(impl.plugin)
+            if name is None:
+                continue
+            others = [p for p in self.get_plugins() if p is not impl.plugin]
+            single = self.subset_hook_caller(hook_name, remove_plugins=others)
+            found.append((name, functools.partial(_results, single, kwargs)))
+        return found
 
     def call_each(
         self, hook_name: str, *, break_on_error: bool = True, **kwargs: Any
@@ -130,34 +180,23 @@ class PluginManager(pluggy.PluginManager):
         A plugin whose implementation raises yields ``None`` for its results, so one bad
         plugin cannot keep the others from being called, and callers can undo what it did
         before failing. With ``break_on_error`` (registration hooks) it is also marked
-        broken; otherwise (lifecycle hooks) the error is logged and it stays loaded. Calls go
-        through pluggy (and so through tracing) one implementation at a time.
+        broken; otherwise (lifecycle hooks) the error is logged and it stays loaded.
         """
-        caller = getattr(self.hook, hook_name)
-        for impl in list(caller.get_hookimpls()):
-            name = self.get_name(impl.plugin)
-            if name is None:
-                continue
-            others = [p for p in self.get_plugins() if p is not impl.plugin]
-            single = self.subset_hook_caller(hook_name, remove_plugins=others)
+        for name, call in self.implementations(hook_name, **kwargs):
             try:
-                results = list(single(**kwargs))
+                results = call()
             except Exception as error:
                 if break_on_error:
-                    self.mark_broken(name, f"{hook_name} failed: {_one_line(error)}")
+                    self.mark_broken(name, f"{hook_name} failed: {one_line(error)}")
                 else:
-                    logger.warning("plugin %r: %s failed: %s", name, hook_name, _one_line(error))
+                    logger.warning("plugin %r: %s failed: %s", name, hook_name, one_line(error))
                 yield name, None
                 continue
             yield name, results
 
 
-def _one_line(error: BaseException | str) -> str:
-    """The error as one line: ``Type: message``, a multi-line message joined with ``; ``."""
-    if isinstance(error, str):
-        return error
-    detail = "; ".join(line.strip() for line in str(error).splitlines() if line.strip())
-    return f"{type(error).__name__}: {detail}" if detail else type(error).__name__
+def _results(caller: Callable[..., Any], kwargs: Mapping[str, Any]) -> list[Any]:
+    return list(caller(**kwargs))
 
 
 def _names(value: str) -> set[str]:
@@ -223,12 +262,12 @@ def build_plugin_manager(environ: Mapping[str, str] | None = None) -> PluginMana
         try:
             plugin = entry_point.load()
         except Exception as error:  # an import error of any kind makes the plugin broken
-            info.status, info.error = BROKEN, f"failed to load: {_one_line(error)}"
+            info.status, info.error = BROKEN, f"failed to load: {one_line(error)}"
             pm.infos[info.name] = info
             continue
         pm.add_plugin(plugin, info)
 
-    pm.registry = Registry.collect(pm)
+    pm.collect()
     return pm
 
 

@@ -1,18 +1,26 @@
 """All named implementations, collected in one place and looked up by name.
 
 ``Registry.collect`` calls every ``register_*`` hook plugin by plugin, checks what comes
-back, and files each registration under its extension point. A name registered by two
+back, files each registration under its extension point, and returns that with what it
+found wrong: the plugin manager marks those plugins broken. A name registered by two
 plugins is withdrawn: looking it up raises an error naming both distributions, while every
 other name keeps working.
+
+Each registration is also marked with who registered it (as pluggy marks a hook
+implementation), so that code handed only the registration, such as the rendezvous protocol
+calling its rank assigner, can still name the plugin and its distribution when the
+plugin's code fails at run time (``plugin_failure``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
 
-from rallypoint.errors import PluginConflictError, UnknownNameError, UsageError
+from rallypoint.errors import PluginConflictError, UnknownNameError, UsageError, one_line
 from rallypoint.extensions import (
     CheckpointBackend,
     MetricsSink,
@@ -20,9 +28,6 @@ from rallypoint.extensions import (
     RendezvousBackend,
     RestartPolicy,
 )
-
-if TYPE_CHECKING:
-    from rallypoint.plugins import PluginManager
 
 T = TypeVar("T")
 
@@ -66,10 +71,48 @@ class Registered(Generic[T]):
     plugin: str
     distribution: str
     version: str
+    label: str = ""  # the extension point's, as ``Kind.label``
 
     @property
     def provider(self) -> str:
         return f"{self.distribution} {self.version} (plugin {self.plugin!r})"
+
+    def describe(self) -> str:
+        """``the 'NAME' KIND of plugin 'PLUGIN' (distribution DIST VERSION)``."""
+        return (
+            f"the {getattr(self.item, 'name', '?')!r} {self.label} of plugin {self.plugin!r} "
+            f"(distribution {self.distribution} {self.version})"
+        )
+
+
+class Provider(Protocol):
+    """What a registration records of the plugin it came from (``PluginInfo`` is one)."""
+
+    @property
+    def distribution(self) -> str: ...
+
+    @property
+    def version(self) -> str: ...
+
+
+#: A hook's implementations, one per plugin: its name and a call of that plugin's alone.
+Implementations = Callable[[str], Iterable[tuple[str, Callable[[], list[Any]]]]]
+
+
+@dataclass
+class Collected:
+    """What ``Registry.collect`` found.
+
+    Attributes:
+        registry: the usable registrations.
+        registered: the names each plugin registers, by plugin, then by ``Kind.label``.
+        broken: why each plugin found broken is (one line); none of its registrations is
+            in ``registry``.
+    """
+
+    registry: Registry
+    registered: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    broken: dict[str, str] = field(default_factory=dict)
 
 
 class Registry:
@@ -80,28 +123,45 @@ class Registry:
         self._conflicts: dict[str, dict[str, list[Registered[Any]]]] = {k.hook: {} for k in KINDS}
 
     @classmethod
-    def collect(cls, pm: PluginManager) -> Registry:
-        """Call every ``register_*`` hook of ``pm`` and file what it returns."""
-        registry = cls()
+    def collect(
+        cls, implementations: Implementations, providers: Mapping[str, Provider]
+    ) -> Collected:
+        """Call every ``register_*`` hook, plugin by plugin, and file what each returns.
+
+        ``implementations(hook)`` gives each plugin implementing ``hook`` with a call of its
+        implementation; ``providers`` describes each plugin by name. A plugin whose hook
+        raises or returns something else than registrations is broken: its other hooks
+        are not called, and nothing it registered is kept.
+        """
+        found = Collected(cls())
+        registry = found.registry
         for kind in KINDS:
-            for plugin_name, results in pm.call_each(kind.hook):
-                if results is None:
+            for plugin_name, call in implementations(kind.hook):
+                if plugin_name in found.broken:
                     continue
-                info = pm.infos[plugin_name]
+                try:
+                    results = call()
+                except Exception as error:  # a plugin may fail in any way; it must not stop us
+                    found.broken[plugin_name] = f"{kind.hook} failed: {one_line(error)}"
+                    continue
                 try:
                     items = [item for result in results for item in _check_items(kind, result)]
                 except TypeError as error:
-                    pm.mark_broken(plugin_name, f"{kind.hook}: {error}")
+                    found.broken[plugin_name] = f"{kind.hook}: {error}"
                     continue
+                provider = providers[plugin_name]
+                names = found.registered.setdefault(plugin_name, {})
                 for item in items:
-                    registered = Registered(item, plugin_name, info.distribution, info.version)
+                    registered = Registered(
+                        item, plugin_name, provider.distribution, provider.version, kind.label
+                    )
                     registry._add(kind, item.name, registered)
-                    info.registered.setdefault(kind.label, []).append(item.name)
+                    _mark(item, registered)
+                    names.setdefault(kind.label, []).append(item.name)
         registry._check_schemes()
-        for name, info in pm.infos.items():
-            if info.status != "active":
-                registry.forget(name)
-        return registry
+        for plugin_name in found.broken:
+            registry.forget(plugin_name)
+        return found
 
     def _add(self, kind: Kind[Any], key: str, registered: Registered[Any]) -> None:
         conflicts = self._conflicts[kind.hook]
@@ -196,6 +256,48 @@ class Registry:
             f"--checkpoint-dir {url!r}: no checkpoint backend serves {scheme}:// URLs. "
             f"Choose one of: {', '.join(served) or '(none installed)'}."
         )
+
+
+#: The attribute of a registration that holds its ``Registered``.
+_MARK = "_rallypoint_registered"
+
+
+def _mark(item: object, registered: Registered[Any]) -> None:
+    # A registration type of a plugin's own may refuse attributes (__slots__): it is
+    # then described by its name alone.
+    with contextlib.suppress(AttributeError, TypeError):
+        object.__setattr__(item, _MARK, registered)
+
+
+def registration_of(item: object) -> Registered[Any] | None:
+    """Who registered ``item``, as the last registry that collected it recorded; None for
+    a registration no registry collected (one made in place, as the static backend's)."""
+    registered = getattr(item, _MARK, None)
+    return registered if isinstance(registered, Registered) else None
+
+
+def replace_registration(item: T, **changes: Any) -> T:
+    """``dataclasses.replace(item, **changes)`` that keeps who registered ``item``."""
+    replaced = dataclasses.replace(item, **changes)  # type: ignore[type-var]
+    registered = registration_of(item)
+    if registered is not None:
+        _mark(replaced, registered)
+    return replaced
+
+
+def describe(kind: Kind[Any], item: object) -> str:
+    """``the 'NAME' KIND of plugin 'PLUGIN' (distribution DIST VERSION)``, or without the
+    plugin when no registry collected ``item``."""
+    registered = registration_of(item)
+    if registered is not None:
+        return registered.describe()
+    return f"the {getattr(item, 'name', '?')!r} {kind.label}"
+
+
+def plugin_failure(who: str, hook: str, error: BaseException, outcome: str) -> str:
+    """One sentence for a plugin's code that raised at run time: ``who`` (``describe``)
+    raised what in ``hook``, then ``outcome``: what becomes of it and of the job."""
+    return f"{who} raised in {hook}: {one_line(error)}; {outcome}"
 
 
 def _check_items(kind: Kind[Any], result: object) -> list[Any]:

@@ -6,14 +6,34 @@ the page and this list the same); the modules these names come from are not, and
 ``make lint`` refuses a plugin that imports them. The testing kit for a plugin's own tests is
 ``rallypoint.testing`` (it imports pytest, so it is not re-exported here).
 
+The upper-case strings (``AGENT_STARTED``...) are the names an ``Event`` may have, one per
+phase of a run, for a metrics sink to tell them apart.
+
+Example::
+
     from rallypoint.sdk import ConfigOption, RestartDecision, RestartPolicy, hookimpl
 """
 
 from __future__ import annotations
 
-from rallypoint.checkpoint.storage import CheckpointError, CheckpointStorage
 from rallypoint.errors import RallypointError, UsageError
-from rallypoint.events import Event, RoundInfo, RunInfo, WorkerFailure
+from rallypoint.events import (
+    AGENT_STARTED,
+    AGENT_STOPPING,
+    CHECKPOINT_LOADED,
+    CHECKPOINT_SAVED,
+    NODES_WAITING,
+    RENDEZVOUS_COMPLETED,
+    RENDEZVOUS_STARTED,
+    SCALE_CHANGED,
+    WORKER_FAILED,
+    WORKERS_RESTARTED,
+    WORKERS_STARTED,
+    Event,
+    RoundInfo,
+    RunInfo,
+    WorkerFailure,
+)
 from rallypoint.extensions import (
     COMMON_RENDEZVOUS_OPTIONS,
     CheckpointBackend,
@@ -28,22 +48,39 @@ from rallypoint.extensions import (
     RestartPolicy,
     RestartRequest,
     SinkContext,
+    Validate,
+    check_liveness_ttl,
+    liveness_ttl,
 )
 from rallypoint.hookspecs import hookimpl
-from rallypoint.redact import redact_endpoint, redact_urls
-from rallypoint.rendezvous.endpoints import parse_endpoint
-from rallypoint.rendezvous.handler import Assignment, RendezvousHandler
-from rallypoint.rendezvous.protocol import DEFAULT_PREFIX
-from rallypoint.rendezvous.store import (
+from rallypoint.interfaces import (
+    Assignment,
+    CheckpointError,
+    CheckpointStorage,
     CoordinationStore,
-    CounterLiveness,
+    RendezvousHandler,
     StoreError,
     StoreUnavailable,
 )
+from rallypoint.redact import redact_endpoint, redact_urls
+from rallypoint.rendezvous.endpoints import parse_endpoint
+from rallypoint.rendezvous.liveness import CounterLiveness
+from rallypoint.rendezvous.protocol import DEFAULT_PREFIX
 
 __all__ = [
+    "AGENT_STARTED",
+    "AGENT_STOPPING",
+    "CHECKPOINT_LOADED",
+    "CHECKPOINT_SAVED",
     "COMMON_RENDEZVOUS_OPTIONS",
     "DEFAULT_PREFIX",
+    "NODES_WAITING",
+    "RENDEZVOUS_COMPLETED",
+    "RENDEZVOUS_STARTED",
+    "SCALE_CHANGED",
+    "WORKERS_RESTARTED",
+    "WORKERS_STARTED",
+    "WORKER_FAILED",
     "Assignment",
     "CheckpointBackend",
     "CheckpointError",
@@ -69,8 +106,11 @@ __all__ = [
     "StoreError",
     "StoreUnavailable",
     "UsageError",
+    "Validate",
     "WorkerFailure",
+    "check_liveness_ttl",
     "hookimpl",
+    "liveness_ttl",
     "parse_endpoint",
     "redact_endpoint",
     "redact_urls",

@@ -33,12 +33,11 @@ from fault_setups import Backend, Recovery, etcd_backend, redis_backend
 from launch import events, start_rallypoint, worker
 from rallypoint.config import parse_options
 from rallypoint.extensions import NodeSpec, RendezvousRequest
+from rallypoint.interfaces import Assignment, CoordinationStore, StoreError
 from rallypoint.plugins import get_plugin_manager
 from rallypoint.registry import RANK_ASSIGNERS, RENDEZVOUS_BACKENDS
 from rallypoint.rendezvous import records
-from rallypoint.rendezvous.handler import Assignment
 from rallypoint.rendezvous.protocol import Keys, Settings, StoreRendezvous
-from rallypoint.rendezvous.store import CoordinationStore, StoreError
 from servers import free_port
 
 #: The run id of the examples that need no store.

@@ -125,7 +125,10 @@ def test_a_failed_worker_is_restarted_and_the_job_finishes(
 ) -> None:
     stderr = run_job(job, kind, *options)
     # On one node the line ends there: no peer can have been lost.
-    assert re.search(rf"rank 1 {described}; restart 1 of 1\n", stderr), stderr
+    assert re.search(
+        rf"rank 1 {described}; restart 1 of 1 \(restart policy 'max-restarts': restarts left\)\n",
+        stderr,
+    ), stderr
     recovery.seconds = seconds_to_training(job, fault_time(job))
     assert sorted(row["rank"] for row in records(job, "done")) == [0, 1]
     failed = events(job / "events.log", "worker_failed")
@@ -218,7 +221,10 @@ def test_a_worker_killed_on_one_node_restarts_both(
     # Until the next round, a node cannot tell a failure from a lost peer: it says so, and
     # counts the restart once the round shows both nodes still there.
     assert re.search(r"rank 1 killed by SIGKILL; the next round tells whether a node", output)
-    assert re.search(r"rank 1 killed by SIGKILL; restart 1 of 1\n", output), output
+    assert re.search(
+        r"rank 1 killed by SIGKILL; restart 1 of 1 \(restart policy 'max-restarts': restarts left\)\n",
+        output,
+    ), output
     for log in logs:
         assert len(events(log, "workers_started")) == 2, log.read_text()
     assert sorted(row["rank"] for row in records(job, "done")) == [0, 1]

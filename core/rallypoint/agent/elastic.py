@@ -28,15 +28,15 @@ import socket
 import tempfile
 import time
 import uuid
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from rallypoint import events
 from rallypoint.agent import numa
-from rallypoint.agent.environment import WorkerSpec, worker_command, worker_environment
-from rallypoint.agent.eventbus import EventBus, TorchConsoleEvents
+from rallypoint.agent.environment import worker_command, worker_environment
+from rallypoint.agent.eventbus import EventBus, NamedSink, TorchConsoleEvents
 from rallypoint.agent.failures import (
     FailureReport,
     build_report,
@@ -47,20 +47,21 @@ from rallypoint.agent.failures import (
 from rallypoint.agent.keeper import Keeper
 from rallypoint.agent.logs import STDERR, STDOUT, AttemptLogs, TorchLogsSpecs, default_logs
 from rallypoint.agent.oom import cgroup_kills, oom_killed
+from rallypoint.agent.rendezvous import create_handler
+from rallypoint.agent.restarts import FAILURE, MEMBERSHIP, Failure, Restarts, lost_nodes
 from rallypoint.agent.watchdog import Watchdog
-from rallypoint.agent.workers import Worker, WorkerGroup
+from rallypoint.agent.workers import Worker, WorkerGroup, WorkerSpec
 from rallypoint.config import LaunchConfig
 from rallypoint.errors import RallypointError
 from rallypoint.events import RoundInfo, RunInfo
-from rallypoint.extensions import EventSink, NodeSpec, RestartRequest, SinkContext
+from rallypoint.extensions import NodeSpec, RestartDecision, RestartRequest, SinkContext
+from rallypoint.interfaces import Assignment, RendezvousHandler
 from rallypoint.plugins import PluginManager
-from rallypoint.registry import METRICS_SINKS, RESTART_POLICIES
+from rallypoint.registry import METRICS_SINKS, RESTART_POLICIES, describe, plugin_failure
 from rallypoint.rendezvous.endpoints import node_address
-from rallypoint.rendezvous.factory import create_handler
-from rallypoint.rendezvous.handler import Assignment, RendezvousHandler
-from rallypoint.rendezvous.protocol import RendezvousTimeout
-from rallypoint.worker_channel import Receiver
-from rallypoint.worker_errors import error_record
+from rallypoint.rendezvous.protocol import RendezvousFailed, RendezvousTimeout
+from rallypoint.worker.channel import Receiver
+from rallypoint.worker.errors import error_record
 
 logger = logging.getLogger("rallypoint.agent")
 
@@ -94,10 +95,9 @@ class Agent:
         hostname = socket.gethostname()
         self.node_id = f"{hostname}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
         self.run = RunInfo(config.rdzv_id, self.node_id, hostname, config.role)
-        self.policy = pm.registry.get(RESTART_POLICIES, config.restart_policy)
+        self.policy = config.restart.item
         self.handler: RendezvousHandler = create_handler(
             config,
-            pm.registry,
             NodeSpec(
                 self.node_id,
                 host=node_address(config.local_addr, config.max_nodes),
@@ -126,14 +126,12 @@ class Agent:
         self._wake_read.setblocking(False)
         self._wake_write.setblocking(False)
 
-    def _create_sinks(self) -> list[EventSink]:
-        sinks: list[EventSink] = []
+    def _create_sinks(self) -> list[NamedSink]:
+        sinks: list[NamedSink] = []
         if self.config.event_log_handler == "console":
-            sinks.append(TorchConsoleEvents())
-        for name in self.config.metrics:
-            sink = self.pm.registry.get(METRICS_SINKS, name)
-            declared = {option.name for option in sink.options}
-            options = {k: v for k, v in self.config.metrics_conf.items() if k in declared}
+            sinks.append(NamedSink(TorchConsoleEvents(), "the --event-log-handler console"))
+        for chosen in self.config.sinks:
+            sink, options = chosen.item, chosen.options
             directory = None
             if sink.worker_metrics:
                 # One directory for every sink that reads worker metrics; workers only
@@ -143,7 +141,14 @@ class Agent:
                     shutil.rmtree(self.metrics_dir, ignore_errors=True)
                     self.metrics_dir.mkdir(parents=True)
                 directory = str(self.metrics_dir)
-            sinks.append(sink.create(SinkContext(self.run, options, directory)))
+            who = describe(METRICS_SINKS, sink)
+            try:
+                created = sink.create(SinkContext(self.run, options, directory))
+            except Exception as error:  # a plugin's: the job goes on without the sink
+                outcome = "the job goes on without it"
+                logger.warning("%s", plugin_failure(who, "create", error, outcome))
+                continue
+            sinks.append(NamedSink(created, who))
         return sinks
 
     # --- the run ------------------------------------------------------------------------
@@ -155,6 +160,7 @@ class Agent:
         try:
             exit_code, reason = self._loop()
         except RallypointError as error:
+            exit_code, reason = error.exit_code, str(error)  # as the console will say
             if self._parent_error_file:  # as torchrun's @record on its main
                 write_error_record(self._parent_error_file, error_record(error))
             raise
@@ -176,6 +182,7 @@ class Agent:
         return exit_code
 
     def _loop(self) -> tuple[int, str]:
+        """rendezvous -> judge the last failure -> start -> watch, until a way out."""
         config = self.config
         for note in config.notes:
             logger.info("%s", note)
@@ -185,95 +192,125 @@ class Agent:
             min_nodes=config.min_nodes,
             max_nodes=config.max_nodes,
         )
-        restarts = 0  # failures recovered from; membership changes do not count
-        attempt = 0  # every start of the workers, whatever the cause
-        uptimes: list[float] = []
+        restarts = Restarts()
         previous: RoundInfo | None = None
-        # A failure of a multi-node round's workers, until the next round tells whether a
-        # node of it was lost (then it was that loss: a membership change, never refused).
-        pending: _Failure | None = None
         self._keeper()  # its interpreter starts while the rendezvous runs
         while True:
-            self.bus.emit(events.RENDEZVOUS_STARTED, restart_count=restarts)
-            began = time.monotonic()
-            try:
-                assignment = self._next_round()
-            except RendezvousTimeout as error:
-                if pending is not None:  # the failure was the loss of nodes, too many
-                    self._report_lost(pending, error)
-                raise
+            assignment = self._rendezvous(restarts, previous)
             if assignment is None:
                 assert self.signalled is not None
                 logger.info("received %s while in the rendezvous: leaving", self.signalled.name)
                 return 128 + int(self.signalled), f"stopped by {self.signalled.name}"
-            info = assignment.info
-            self._announce_round(info, time.monotonic() - began, previous, pending)
-            previous = info
-            if pending is not None:
-                cause = "failure" if pending.decided else self._restart_cause(pending, info)
-                if cause == "failure" and not pending.decided:
-                    stop = self._ask_policy(pending, restarts, uptimes)
-                    if stop is not None:
-                        return stop
-                if cause == "failure":
-                    restarts += 1
-                self.bus.emit(events.WORKERS_RESTARTED, restart_count=restarts, cause=cause)
-                pending = None
-
-            group = self._start_workers(assignment, restarts, attempt)
-            attempt += 1
+            previous = assignment.info
+            stop = self._judge(restarts, assignment.info)
+            if stop is not None:
+                return stop
+            group = self._start_workers(assignment, restarts.count, restarts.attempts)
+            restarts.attempts += 1
             started = time.monotonic()
-            self.bus.emit(events.WORKERS_STARTED, **asdict(info), pids=list(group.pids))
+            self.bus.emit(events.WORKERS_STARTED, assignment.info, pids=list(group.pids))
             try:
                 outcome = self._monitor(group)
             except BaseException:
                 group.stop(signal.SIGTERM, config.shutdown_timeout)  # e.g. the store is gone
                 raise
-
             if outcome is Outcome.SUCCEEDED:
-                # Reaches processes the workers left behind, which may hold their output.
-                group.stop(signal.SIGTERM, config.shutdown_timeout)
-                group.finish_output()
-                self.handler.exit_barrier(config.exit_barrier_timeout)
-                return EXIT_SUCCESS, "all workers finished"
+                return self._finish(group)
             if outcome is Outcome.SIGNALLED:
                 return self._stop_on_signal(group)
             if outcome is Outcome.MEMBERSHIP_CHANGED:
                 group.stop(signal.SIGTERM, config.shutdown_timeout)
-                self.bus.emit(events.WORKERS_RESTARTED, restart_count=restarts, cause="membership")
+                self._workers_restarted(restarts, MEMBERSHIP)
                 continue
-
-            uptimes.append(time.monotonic() - started)
-            report = self._handle_failure(group, restarts)
-            if self.signalled is not None:
-                return self._stop_on_signal(group)
-            pending = _Failure(report, info.members)
-            if info.group_world_size > 1:
-                # A peer's death fails our workers too (gloo's "Connection closed by
-                # peer"): whether it did is known from the next round, so the policy is
-                # asked only then, and only if no node of this round was lost.
-                logger.info(
-                    "%s; the next round tells whether a node of this round was lost "
-                    "before a restart is counted",
-                    _root(report),
-                )
-            else:
-                stop = self._ask_policy(pending, restarts, uptimes)
-                if stop is not None:
-                    return stop
-                pending.decided = True
+            stop = self._failed(group, restarts, assignment.info, time.monotonic() - started)
+            if stop is not None:
+                return stop
             self.handler.request_new_round()  # every node restarts its workers with us
+
+    def _rendezvous(self, restarts: Restarts, previous: RoundInfo | None) -> Assignment | None:
+        """The next round, announced; None when a signal came first."""
+        self.bus.emit(events.RENDEZVOUS_STARTED, restart_count=restarts.count)
+        began = time.monotonic()
+        try:
+            assignment = self._next_round()
+        except RendezvousTimeout as error:
+            if restarts.pending is not None:  # the failure was the loss of nodes, too many
+                self._report_lost(restarts.pending, error)
+            raise
+        except RendezvousFailed as error:  # another node failed the job, or its assigner
+            if restarts.pending is not None:
+                self._report(restarts.pending.report, str(error))
+            raise
+        if assignment is not None:
+            took = time.monotonic() - began
+            self._announce_round(assignment.info, took, previous, restarts.pending)
+        return assignment
+
+    def _judge(self, restarts: Restarts, info: RoundInfo) -> tuple[int, str] | None:
+        """What the last failure was, now that this round tells who is still there: a
+        membership change if a node of its round is gone, else a failure the policy is
+        asked about (unless it was already). The agent's exit when the policy refuses."""
+        failure = restarts.pending
+        if failure is None:
+            return None
+        restarts.pending = None
+        lost = [] if failure.decided else lost_nodes(failure, info)
+        if lost:
+            logger.info(
+                "the failure followed the loss of node %s: a membership change, which does "
+                "not use up a restart",
+                ", ".join(lost),
+            )
+        elif not failure.decided:
+            stop = self._ask_policy(failure, restarts)
+            if stop is not None:
+                return stop
+            restarts.count += 1
+        cause = MEMBERSHIP if lost else FAILURE
+        self._workers_restarted(restarts, cause)
+        return None
+
+    def _failed(
+        self, group: WorkerGroup, restarts: Restarts, info: RoundInfo, uptime: float
+    ) -> tuple[int, str] | None:
+        """A worker failed: stop the others, report it, and put it to the policy now (one
+        node) or after the next round (several). The agent's exit when it ends here."""
+        report = self._handle_failure(group, restarts.count)
+        if self.signalled is not None:
+            return self._stop_on_signal(group)
+        failure = restarts.failed(report, info.members, uptime)
+        if info.group_world_size > 1:
+            # A peer's death fails our workers too (gloo's "Connection closed by peer"):
+            # whether it did is known from the next round.
+            logger.info(
+                "%s; the next round tells whether a node of this round was lost "
+                "before a restart is counted",
+                _root(report),
+            )
+            return None
+        stop = self._ask_policy(failure, restarts)
+        if stop is None:
+            restarts.allowed()  # counted now: the next round's events carry it
+        return stop
+
+    def _finish(self, group: WorkerGroup) -> tuple[int, str]:
+        """Every worker exited 0: collect what they left, then wait for the other nodes."""
+        # Reaches processes the workers left behind, which may hold their output.
+        group.stop(signal.SIGTERM, self.config.shutdown_timeout)
+        group.finish_output()
+        self.handler.exit_barrier(self.config.exit_barrier_timeout)
+        return EXIT_SUCCESS, "all workers finished"
 
     def _announce_round(
         self,
         info: RoundInfo,
         took: float,
         previous: RoundInfo | None,
-        pending: _Failure | None,
+        pending: Failure | None,
     ) -> None:
         """The round's events, and its line on the console: for every round of a job of
         several nodes, naming the nodes that joined it and those that left it."""
-        self.bus.emit(events.RENDEZVOUS_COMPLETED, **asdict(info), duration_seconds=took)
+        self.bus.emit(events.RENDEZVOUS_COMPLETED, info, duration_seconds=took)
         self._nodes_waiting = 0  # they are in this round
         if self.config.max_nodes > 1:
             logger.info(
@@ -299,7 +336,7 @@ class Agent:
         if len(before) != len(now):
             self.bus.emit(events.SCALE_CHANGED, old_nodes=len(before), new_nodes=len(now))
 
-    def _report_lost(self, failure: _Failure, error: RendezvousTimeout) -> None:
+    def _report_lost(self, failure: Failure, error: RendezvousTimeout) -> None:
         """The workers failed, and the next round could not form: nodes of the round were
         lost, too many to go on. The report says so, before the gloo error it caused."""
         gone = getattr(self.handler, "gone", None)
@@ -307,56 +344,45 @@ class Agent:
         report = replace(failure.report, lost_nodes=lost)
         self._report(report, f"the next round could not form: {error}")
 
-    def _ask_policy(
-        self, failure: _Failure, restarts: int, uptimes: list[float]
-    ) -> tuple[int, str] | None:
+    def _ask_policy(self, failure: Failure, restarts: Restarts) -> tuple[int, str] | None:
         """Ask the restart policy about a failure with no node lost; sleep the delay it
         asks for. The agent's exit code and reason when it refuses (or a signal comes
         during the delay), else None: restart."""
         config = self.config
-        report = failure.report
-        decision = self.policy.decide(
-            RestartRequest(
-                restarts_done=restarts,
-                max_restarts=config.max_restarts,
-                failure=report.root,
-                options=config.restart_conf,
-                attempt_uptimes=tuple(uptimes),
+        who = describe(RESTART_POLICIES, self.policy)
+        try:
+            decision = self.policy.decide(
+                RestartRequest(
+                    restarts_done=restarts.count,
+                    max_restarts=config.max_restarts,
+                    failure=failure.report.root,
+                    options=config.restart_conf,
+                    attempt_uptimes=tuple(restarts.uptimes),
+                )
             )
-        )
-        root = _root(report)
+        except Exception as error:  # a plugin's: the job ends, cleanly, on every node
+            return self._give_up(failure, plugin_failure(who, "decide", error, "the job stops"))
+        if not isinstance(decision, RestartDecision):
+            wrong = type(decision).__name__
+            return self._give_up(
+                failure, f"{who} returned {wrong} from decide, not a RestartDecision; the job stops"
+            )
         if not decision.restart:
-            self._report(report, decision.reason)
-            fail = getattr(self.handler, "fail", None)
-            if fail is not None and config.max_nodes > 1:
-                fail(f"{root}; {decision.reason}")  # the other nodes stop too
-            return EXIT_WORKER_FAILURE, f"{root}; {decision.reason}"
+            return self._give_up(failure, decision.reason)
+        said = f": {decision.reason}" if decision.reason else ""
+        restarts.reason = f"restart policy {self.policy.name!r}{said}"
         logger.info(
-            "%s; restart %d of %d%s",
-            root,
-            restarts + 1,
+            "%s; restart %d of %d%s (%s)",
+            _root(failure.report),
+            restarts.count + 1,
             config.max_restarts,
             f" in {decision.delay:.1f} s" if decision.delay else "",
+            restarts.reason,
         )
         if self._sleep(decision.delay):
             assert self.signalled is not None
             return 128 + int(self.signalled), f"stopped by {self.signalled.name}"
         return None
-
-    def _restart_cause(self, failure: _Failure, info: RoundInfo) -> str:
-        """``"membership"`` when a node of the failed round is not in this one: it died
-        or left, and its workers' loss is what failed ours; it does not use up a restart.
-        Else ``"failure"``."""
-        present = set(info.members)  # a thousand members: a set, not a scan per node
-        lost = [node for node in failure.members if node not in present]
-        if not lost:
-            return "failure"
-        logger.info(
-            "the failure followed the loss of node %s: a membership change, which does not "
-            "use up a restart",
-            ", ".join(lost),
-        )
-        return "membership"
 
     def _next_round(self) -> Assignment | None:
         """The next round; None when a signal comes first. The wait can be long (up to
@@ -388,31 +414,20 @@ class Agent:
     def _start_workers(self, assignment: Assignment, restarts: int, attempt: int) -> WorkerGroup:
         config = self.config
         attempt_dir = self.run_dir / f"attempt_{attempt}"
-        specs = [
-            WorkerSpec(
-                local_rank=local_rank,
-                rank=assignment.rank_offset + local_rank,
-                error_file=str(attempt_dir / str(local_rank) / "error.json"),
-            )
-            for local_rank in range(config.nproc_per_node)
-        ]
         environments = [
             worker_environment(
                 config,
                 assignment,
-                spec,
-                run_id=config.rdzv_id,
+                local_rank,
+                str(attempt_dir / str(local_rank) / "error.json"),
                 node_id=self.node_id,
                 restart_count=restarts,
                 events_socket=self._worker_events.address,
                 metrics_dir=None if self.metrics_dir is None else str(self.metrics_dir),
             )
-            for spec in specs
+            for local_rank in range(config.nproc_per_node)
         ]
-        logs = self._attempt_logs(attempt_dir, environments)
-        for local_rank, output in enumerate(logs.workers):
-            if output.error_file != specs[local_rank].error_file:  # --logs-specs moved it
-                specs[local_rank] = replace(specs[local_rank], error_file=output.error_file)
+        logs = self._attempt_logs(attempt_dir, environments)  # --logs-specs may move files
         cpus = None
         if config.numa_binding:
             cpus = numa.bindings(
@@ -421,18 +436,22 @@ class Agent:
                 numa.gpu_numa_nodes(os.environ),
                 numa.Topology(),
             )
+        specs = [
+            WorkerSpec(
+                local_rank,
+                assignment.rank_offset + local_rank,
+                environment,
+                output,
+                cpus[local_rank] if cpus else None,
+            )
+            for local_rank, (environment, output) in enumerate(
+                zip(environments, logs.workers, strict=True)
+            )
+        ]
         if self.watchdog is not None:
             self.watchdog.watch(time.monotonic())
         self._oom_kills = cgroup_kills()  # a kill counted after this is one of ours
-        return WorkerGroup.start(
-            self._keeper(),
-            worker_command(config),
-            specs,
-            environments,
-            logs,
-            config.role,
-            cpus,
-        )
+        return WorkerGroup.start(self._keeper(), worker_command(config), specs, logs, config.role)
 
     def _attempt_logs(self, attempt_dir: Path, environments: list[dict[str, str]]) -> AttemptLogs:
         """Where this attempt's output goes: rallypoint's layout, or --logs-specs's."""
@@ -549,7 +568,7 @@ class Agent:
             max_restarts=self.config.max_restarts,
         )
         for failure in sorted(failures, key=lambda f: (f is not report.root, f.timestamp)):
-            self.bus.emit(events.WORKER_FAILED, **asdict(failure))  # the root cause first
+            self.bus.emit(events.WORKER_FAILED, failure)  # the root cause first
         return report
 
     def _report(self, report: FailureReport, reason: str) -> None:
@@ -597,17 +616,25 @@ class Agent:
             self._drain_wakeups()
         return self.signalled is not None
 
+    # --- the end of a job, a plugin's failure included ----------------------------------
 
-@dataclass
-class _Failure:
-    """Workers that failed, and the members of their round.
+    def _give_up(self, failure: Failure, reason: str) -> tuple[int, str]:
+        """The workers failed and are not restarted, for ``reason``: report it, make the
+        job's other nodes stop too, and return the agent's exit code and reason."""
+        root = _root(failure.report)
+        self._report(failure.report, reason)
+        fail = getattr(self.handler, "fail", None)
+        if fail is not None and self.config.max_nodes > 1:
+            fail(f"{root}; {reason}")  # the other nodes stop too
+        return EXIT_WORKER_FAILURE, f"{root}; {reason}"
 
-    ``decided``: the restart policy already allowed the restart (a one-node round, where
-    no peer can have been lost)."""
-
-    report: FailureReport
-    members: tuple[str, ...]
-    decided: bool = False
+    def _workers_restarted(self, restarts: Restarts, cause: str) -> None:
+        """The ``workers_restarted`` event; its ``reason`` is the restart policy's after a
+        failure, else that the job's nodes changed."""
+        reason = restarts.reason if cause == FAILURE else "the job's nodes changed"
+        self.bus.emit(
+            events.WORKERS_RESTARTED, restart_count=restarts.count, cause=cause, reason=reason
+        )
 
 
 def _root(report: FailureReport) -> str:

@@ -10,87 +10,76 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from rallypoint.config import LaunchConfig
-from rallypoint.rendezvous.handler import Assignment
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Where one worker stands in the job."""
-
-    local_rank: int
-    rank: int
-    error_file: str
+from rallypoint.interfaces import Assignment
+from rallypoint.worker import env
 
 
 def worker_environment(
     config: LaunchConfig,
     assignment: Assignment,
-    worker: WorkerSpec,
+    local_rank: int,
+    error_file: str,
     *,
-    run_id: str,
     node_id: str,
     restart_count: int,
     events_socket: str | None = None,
     metrics_dir: str | None = None,
     base: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """The full environment of ``worker`` for this round and attempt."""
-    env = dict(os.environ if base is None else base)
+    """The full environment of the worker ``local_rank`` for this round and attempt."""
+    environ = dict(os.environ if base is None else base)
     info = assignment.info
-    env.update(
+    rank = assignment.rank_offset + local_rank
+    environ.update(
         {
-            "RANK": str(worker.rank),
-            "LOCAL_RANK": str(worker.local_rank),
-            "WORLD_SIZE": str(info.world_size),
-            "LOCAL_WORLD_SIZE": str(config.nproc_per_node),
-            "GROUP_RANK": str(info.group_rank),
-            "GROUP_WORLD_SIZE": str(info.group_world_size),
-            "ROLE_RANK": str(worker.rank),
-            "ROLE_NAME": config.role,
-            "ROLE_WORLD_SIZE": str(info.world_size),
-            "MASTER_ADDR": info.master_addr,
-            "MASTER_PORT": str(info.master_port),
-            "TORCHELASTIC_RESTART_COUNT": str(restart_count),
-            "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
-            "TORCHELASTIC_RUN_ID": run_id,
-            "TORCHELASTIC_USE_AGENT_STORE": "False",
-            "TORCHELASTIC_ERROR_FILE": worker.error_file,
-            "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(config.signals_to_handle),
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-            "RALLYPOINT_RUN_ID": run_id,
-            "RALLYPOINT_NODE_ID": node_id,
-            "RALLYPOINT_RENDEZVOUS_ROUND": str(info.round),
-            # The worker's place on the node, also when --virtual-local-rank makes
-            # LOCAL_RANK 0 everywhere: the agent's watchdog and events tell workers by it.
-            "RALLYPOINT_LOCAL_RANK": str(worker.local_rank),
+            env.RANK: str(rank),
+            env.LOCAL_RANK: str(local_rank),
+            env.WORLD_SIZE: str(info.world_size),
+            env.LOCAL_WORLD_SIZE: str(config.nproc_per_node),
+            env.GROUP_RANK: str(info.group_rank),
+            env.GROUP_WORLD_SIZE: str(info.group_world_size),
+            env.ROLE_RANK: str(rank),
+            env.ROLE_NAME: config.role,
+            env.ROLE_WORLD_SIZE: str(info.world_size),
+            env.MASTER_ADDR: info.master_addr,
+            env.MASTER_PORT: str(info.master_port),
+            env.RESTART_COUNT: str(restart_count),
+            env.MAX_RESTARTS: str(config.max_restarts),
+            env.TORCH_RUN_ID: config.rdzv_id,
+            env.USE_AGENT_STORE: "False",
+            env.ERROR_FILE: error_file,
+            env.SIGNALS_TO_HANDLE: ",".join(config.signals_to_handle),
+            env.NCCL_ASYNC_ERROR_HANDLING: environ.get(env.NCCL_ASYNC_ERROR_HANDLING, "1"),
+            env.RUN_ID: config.rdzv_id,
+            env.NODE_ID: node_id,
+            env.RENDEZVOUS_ROUND: str(info.round),
+            env.NODE_LOCAL_RANK: str(local_rank),
         }
     )
     if config.virtual_local_rank:
-        # torchrun's: each worker sees only its device, as device 0.
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        devices = [d.strip() for d in visible.split(",")] if visible is not None else None
-        env["LOCAL_RANK"] = "0"
-        env["CUDA_VISIBLE_DEVICES"] = (
-            devices[worker.local_rank] if devices is not None else str(worker.local_rank)
-        )
-    if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in env:
+        environ.update(_own_device(local_rank))
+    if config.nproc_per_node > 1 and env.OMP_NUM_THREADS not in environ:
         # torchrun's choice: many workers each using every core oversubscribe the host.
-        env["OMP_NUM_THREADS"] = "1"
-    if config.checkpoint_dir:
-        env["RALLYPOINT_CHECKPOINT_URL"] = config.checkpoint_dir
-    if events_socket:
-        env["RALLYPOINT_EVENTS_SOCKET"] = events_socket  # see rallypoint.worker_channel
-    if metrics_dir:
-        env["RALLYPOINT_METRICS_DIR"] = metrics_dir  # see rallypoint.metrics
-    # rallypoint.progress sends heartbeats only when this is set (the agent's own
-    # RALLYPOINT_WATCHDOG_TIMEOUT, the flag's variable, must not reach them otherwise).
-    env.pop("RALLYPOINT_WATCHDOG_TIMEOUT", None)
-    if config.watchdog_timeout:
-        env["RALLYPOINT_WATCHDOG_TIMEOUT"] = f"{config.watchdog_timeout:g}"
-    return env
+        environ[env.OMP_NUM_THREADS] = "1"
+    optional = {
+        env.CHECKPOINT_URL: config.checkpoint_dir,
+        env.EVENTS_SOCKET: events_socket,
+        env.METRICS_DIR: metrics_dir,
+        env.PROGRESS_TIMEOUT: f"{config.watchdog_timeout:g}" if config.watchdog_timeout else None,
+    }
+    environ.pop(env.PROGRESS_TIMEOUT, None)  # inherited: not this agent's watchdog
+    environ.update({name: value for name, value in optional.items() if value})
+    return environ
+
+
+def _own_device(local_rank: int) -> dict[str, str]:
+    """torchrun's ``--virtual-local-rank``: each worker sees only its device, as device 0."""
+    visible = os.environ.get(env.CUDA_VISIBLE_DEVICES)
+    devices = [d.strip() for d in visible.split(",")] if visible is not None else None
+    device = devices[local_rank] if devices is not None else str(local_rank)
+    return {env.LOCAL_RANK: "0", env.CUDA_VISIBLE_DEVICES: device}
 
 
 def worker_command(config: LaunchConfig) -> list[str]:

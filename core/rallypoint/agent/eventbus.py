@@ -3,59 +3,49 @@
 The agent calls ``EventBus.emit`` at every phase. The event is appended to the
 ``--event-log`` file (JSON lines, wall and monotonic time), handed to every chosen metrics
 sink, and announced through the matching ``on_*`` hook. A sink or hook that raises is
-reported once and never stops the run.
+reported in one line and never stops the run: a sink is disabled after its first failure.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TextIO
 
 from rallypoint import events
+from rallypoint.builtins.metrics_sinks import JsonLinesSink
 from rallypoint.events import Event, RoundInfo, RunInfo, WorkerFailure
 from rallypoint.extensions import EventSink
 from rallypoint.plugins import PluginManager
+from rallypoint.registry import plugin_failure
 
 logger = logging.getLogger(__name__)
 
 
-def _fields(cls: type[Any], data: Mapping[str, Any]) -> Any:
-    """Rebuild a dataclass from the flat event data it was spread into."""
-    values = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data}
-    if "members" in values:
-        values["members"] = tuple(values["members"])
-    return cls(**values)
-
-
 #: The lifecycle hook each event is announced through, with the hook's arguments.
-_HOOKS: dict[str, tuple[str, Callable[[Mapping[str, Any]], dict[str, Any]]]] = {
-    events.AGENT_STARTED: ("on_agent_started", lambda d: {}),
-    events.RENDEZVOUS_COMPLETED: (
-        "on_rendezvous_completed",
-        lambda d: {"round_info": _fields(RoundInfo, d)},
-    ),
+_HOOKS: dict[str, tuple[str, Callable[[Event], dict[str, Any]]]] = {
+    events.AGENT_STARTED: ("on_agent_started", lambda e: {}),
+    events.RENDEZVOUS_COMPLETED: ("on_rendezvous_completed", lambda e: {"round_info": e.subject}),
     events.WORKERS_STARTED: (
         "on_workers_started",
-        lambda d: {"round_info": _fields(RoundInfo, d), "pids": tuple(d["pids"])},
+        lambda e: {"round_info": e.subject, "pids": tuple(e.data["pids"])},
     ),
-    events.WORKER_FAILED: ("on_worker_failed", lambda d: {"failure": _fields(WorkerFailure, d)}),
+    events.WORKER_FAILED: ("on_worker_failed", lambda e: {"failure": e.subject}),
     events.WORKERS_RESTARTED: (
         "on_workers_restarted",
-        lambda d: {"restart_count": d["restart_count"], "cause": d["cause"]},
+        lambda e: {"restart_count": e.data["restart_count"], "cause": e.data["cause"]},
     ),
     events.SCALE_CHANGED: (
         "on_scale_changed",
-        lambda d: {"old_nodes": d["old_nodes"], "new_nodes": d["new_nodes"]},
+        lambda e: {"old_nodes": e.data["old_nodes"], "new_nodes": e.data["new_nodes"]},
     ),
     events.AGENT_STOPPING: (
         "on_agent_stopping",
-        lambda d: {"exit_code": d["exit_code"], "reason": d["reason"]},
+        lambda e: {"exit_code": e.data["exit_code"], "reason": e.data["reason"]},
     ),
 }
 
@@ -98,6 +88,15 @@ class TorchConsoleEvents:
         pass
 
 
+@dataclass(frozen=True)
+class NamedSink:
+    """A sink the bus feeds, and who it is (``rallypoint.registry.describe``), to name it
+    when it fails."""
+
+    sink: EventSink
+    who: str
+
+
 class EventBus:
     """Delivers the events of one agent."""
 
@@ -105,46 +104,45 @@ class EventBus:
         self,
         run: RunInfo,
         pm: PluginManager,
-        sinks: Sequence[EventSink] = (),
+        sinks: Sequence[NamedSink] = (),
         event_log: str | None = None,
     ) -> None:
         self.run = run
         self.pm = pm
-        self.sinks = list(sinks)
+        # The event log first: the jsonl sink's writer, on the --event-log file.
+        log = [NamedSink(JsonLinesSink(event_log), "the --event-log file")] if event_log else []
+        self.sinks = [*log, *sinks]  # a sink that fails is dropped: nothing more is called
         self._lock = threading.Lock()
-        self._log: TextIO | None = None
-        if event_log:
-            Path(event_log).parent.mkdir(parents=True, exist_ok=True)
-            self._log = open(event_log, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
-    def emit(self, name: str, **data: Any) -> Event:
-        """Record one event; ``data`` is flat and JSON-ready (spread dataclasses with asdict)."""
-        event = Event(name, self.run, data)
+    def emit(
+        self, name: str, subject: RoundInfo | WorkerFailure | None = None, **data: Any
+    ) -> Event:
+        """Record the event ``name`` about ``subject`` (see ``Event.subject``); ``data``
+        is JSON-ready."""
+        event = Event.of(name, self.run, subject, **data)
         with self._lock:
-            if self._log is not None:
-                self._log.write(event.to_json() + "\n")
-                self._log.flush()
-            for sink in self.sinks:
+            for named in list(self.sinks):
                 try:
-                    sink.emit(event)
-                except Exception:
-                    logger.exception("metrics sink %r failed on %s", type(sink).__name__, name)
+                    named.sink.emit(event)
+                except Exception as error:  # a plugin's: it must not stop the run
+                    self.sinks.remove(named)
+                    outcome = "it is disabled (no later event reaches it) and the job goes on"
+                    logger.warning("%s", plugin_failure(named.who, "emit", error, outcome))
         hook = _HOOKS.get(name)
         if hook is not None:
             hook_name, arguments = hook
             # Plugin by plugin: one failing hook must not keep the others from the event.
             for _ in self.pm.call_each(
-                hook_name, break_on_error=False, run=self.run, **arguments(event.data)
+                hook_name, break_on_error=False, run=self.run, **arguments(event)
             ):
                 pass
         return event
 
     def close(self) -> None:
-        for sink in self.sinks:
+        for named in self.sinks:
             try:
-                sink.close()
-            except Exception:
-                logger.exception("metrics sink %r failed to close", type(sink).__name__)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+                named.sink.close()
+            except Exception as error:  # a plugin's: the agent stops as it was going to
+                outcome = "ignored: the job's exit code is unchanged"
+                logger.warning("%s", plugin_failure(named.who, "close", error, outcome))
+        self.sinks = []

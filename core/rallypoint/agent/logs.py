@@ -17,11 +17,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from rallypoint.config import LOGS_SPECS_GROUP
 from rallypoint.errors import UsageError
 
 STDOUT, STDERR = 1, 2
-#: torchrun's entry-point group for ``--logs-specs``.
-LOGS_SPECS_GROUP = "torchrun.logs_specs"
 
 
 @dataclass(frozen=True)
@@ -95,16 +94,6 @@ def _filtered(
         for stream, needles in filters.items()
         if needles
     }
-
-
-def check_logs_specs(name: str) -> None:
-    """Refuse a ``--logs-specs`` name no installed distribution registers."""
-    names = sorted(ep.name for ep in metadata.entry_points(group=LOGS_SPECS_GROUP))
-    if name not in names:
-        valid = ", ".join(names) if names else "none is installed"
-        raise UsageError(
-            f"--logs-specs {name!r}: no {LOGS_SPECS_GROUP} entry point of that name ({valid})."
-        )
 
 
 class TorchLogsSpecs:

@@ -27,8 +27,6 @@ from pathlib import Path
 
 from rallypoint.errors import UsageError
 
-MODES = ("node", "socket", "exclusive", "core-complex")
-
 
 class Topology:
     """The host's CPUs as sysfs describes them (``root`` is ``/sys``, or a copy's)."""

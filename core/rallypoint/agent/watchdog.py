@@ -1,6 +1,6 @@
 """The progress watchdog (``--watchdog-timeout``): which workers stopped making progress.
 
-Workers call ``rallypoint.heartbeat()`` (``rallypoint.progress``); the heartbeats arrive on
+Workers call ``rallypoint.heartbeat()`` (``rallypoint.worker.progress``); the heartbeats arrive on
 the worker channel's receiver thread and are noted here by local rank. A worker is watched
 from its first heartbeat on, so start-up (imports, the process group) never counts; once
 watched, a worker whose last heartbeat is older than the timeout is overdue, and the agent

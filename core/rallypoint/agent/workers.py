@@ -29,12 +29,11 @@ import sys
 import termios
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from rallypoint.agent.environment import WorkerSpec
 from rallypoint.agent.keeper import Keeper, KeeperGone, KeptProcess
 from rallypoint.agent.logs import STDERR, STDOUT, AttemptLogs, WorkerLogs
 from rallypoint.errors import RallypointError
@@ -42,6 +41,28 @@ from rallypoint.errors import RallypointError
 logger = logging.getLogger("rallypoint.agent")
 
 _TAIL_LINES = 60
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One worker of an attempt: its place in the job and everything it is started with.
+
+    Attributes:
+        local_rank, rank: its place on the node and in the job.
+        env: its whole environment (``rallypoint.agent.environment``).
+        output: where its output goes (``rallypoint.agent.logs``).
+        cpus: the CPUs it may run on (``--numa-binding``); None: any.
+    """
+
+    local_rank: int
+    rank: int
+    env: Mapping[str, str]
+    output: WorkerLogs
+    cpus: frozenset[int] | None = None
+
+    @property
+    def error_file(self) -> str:
+        return self.output.error_file
 
 
 @dataclass
@@ -248,25 +269,20 @@ class WorkerGroup:
         keeper: Keeper,
         command: Sequence[str],
         specs: Sequence[WorkerSpec],
-        environments: Sequence[dict[str, str]],
-        logs: AttemptLogs,
+        filtered: AttemptLogs,
         role: str,
-        cpus: Sequence[frozenset[int] | None] | None = None,
     ) -> WorkerGroup:
-        """Start one process per spec, each with its environment, its output as ``logs``
-        say, and the CPUs ``cpus`` give it (``--numa-binding``; None: any)."""
+        """Start one process per spec; ``filtered``: the attempt's files of duplicated
+        lines (``--duplicate-*-filters``)."""
         group = cls([], keeper)
         try:
             group._filtered = {
                 stream: _Filtered(path, needles)
-                for stream, (path, needles) in logs.filtered.items()
+                for stream, (path, needles) in filtered.filtered.items()
             }
-            for local_rank, (spec, env, output) in enumerate(
-                zip(specs, environments, logs.workers, strict=True)
-            ):
+            for spec in specs:
                 Path(spec.error_file).parent.mkdir(parents=True, exist_ok=True)
-                allowed = cpus[local_rank] if cpus else None
-                group.workers.append(group._start_one(command, spec, env, output, role, allowed))
+                group.workers.append(group._start_one(command, spec, role))
         except BaseException:
             group.stop(signal.SIGKILL, 0)
             raise
@@ -276,11 +292,9 @@ class WorkerGroup:
         self,
         command: Sequence[str],
         spec: WorkerSpec,
-        env: dict[str, str],
-        output: WorkerLogs,
         role: str,
-        cpus: frozenset[int] | None,
     ) -> Worker:
+        output = spec.output
         prefix = f"[{role}{spec.local_rank}]:".encode()
         streams = []
         ends: list[int] = []
@@ -295,7 +309,9 @@ class WorkerGroup:
                 filtered = self._filtered.get(bit) if output.teed & bit else None
                 streams.append((read, write, live, shown, path, filtered))
             try:
-                pid = self.keeper.spawn(command, env, streams[0][1], streams[1][1], cpus)
+                pid = self.keeper.spawn(
+                    command, dict(spec.env), streams[0][1], streams[1][1], spec.cpus
+                )
             except OSError as error:
                 raise RallypointError(
                     f"cannot start worker {spec.local_rank}: {command[0]!r}: {error.strerror}"

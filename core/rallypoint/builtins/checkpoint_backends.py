@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from rallypoint import hookimpl
-from rallypoint.checkpoint.storage import CheckpointStorage
 from rallypoint.extensions import CheckpointBackend
+from rallypoint.interfaces import CheckpointStorage
 
 
 def open_file_storage(url: str) -> CheckpointStorage:

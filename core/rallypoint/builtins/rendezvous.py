@@ -9,7 +9,7 @@ Both run core's rendezvous protocol on a torch TCPStore hosted by one of the age
   of N nodes only runs when all N are there.
 
 ``--standalone`` and any job of one node run the same protocol on a store in the agent's
-memory (``rendezvous.factory.create_handler``).
+memory (``agent.rendezvous.create_handler``).
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ from rallypoint.extensions import (
     RendezvousBackend,
     RendezvousRequest,
 )
-from rallypoint.rendezvous.handler import RendezvousHandler
-from rallypoint.rendezvous.store import CoordinationStore
+from rallypoint.interfaces import CoordinationStore, RendezvousHandler
 
 C10D_DEFAULT_PORT = 29400
 #: The label that carries a static node's ``--node-rank`` into the round.
@@ -81,7 +80,7 @@ def _tcpstore(
         host,
         port,
         is_host=False if request.viewer else is_host,
-        timeout=float(request.options.get("read_timeout") or 60.0),
+        timeout=float(request.options["read_timeout"]),
     )
 
 

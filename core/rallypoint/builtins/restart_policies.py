@@ -18,7 +18,7 @@ def _limit_reached(request: RestartRequest) -> RestartDecision | None:
 
 def max_restarts(request: RestartRequest) -> RestartDecision:
     """Restart at once until ``--max-restarts`` restarts are used up (torchrun's behaviour)."""
-    return _limit_reached(request) or RestartDecision(True, 0.0, "restarting")
+    return _limit_reached(request) or RestartDecision(True, 0.0, "restarts left")
 
 
 def backoff(request: RestartRequest) -> RestartDecision:

@@ -21,7 +21,8 @@ import threading
 from typing import Any
 
 from rallypoint.checkpoint.checkpointer import URL_ENV, Checkpoint, Checkpointer
-from rallypoint.checkpoint.storage import CheckpointError, CheckpointStorage, FileStorage
+from rallypoint.checkpoint.storage import FileStorage
+from rallypoint.interfaces import CheckpointError, CheckpointStorage
 
 __all__ = [
     "URL_ENV",

@@ -15,15 +15,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rallypoint import progress, worker_channel
 from rallypoint.checkpoint import manifest as mf
-from rallypoint.checkpoint.storage import CheckpointError, CheckpointStorage, FileStorage
-from rallypoint.lifetime import die_with_parent
+from rallypoint.checkpoint.storage import FileStorage
+from rallypoint.interfaces import CheckpointError, CheckpointStorage
+from rallypoint.worker import channel as worker_channel
+from rallypoint.worker import env, progress
+from rallypoint.worker.lifetime import die_with_parent
 
 logger = logging.getLogger("rallypoint.checkpoint")
 
 #: The variable the agent sets from ``--checkpoint-dir``.
-URL_ENV = "RALLYPOINT_CHECKPOINT_URL"
+URL_ENV = env.CHECKPOINT_URL
 STATE_FILE = "state.pt"
 BEGUN = "begun"  # written first: a checkpoint with it and no manifest was never finished
 SHARDS = "shards"
@@ -85,8 +87,8 @@ class Checkpointer:
             raise CheckpointError(f"keep_last={keep_last}: keep at least one checkpoint")
         self.storage = storage
         self.keep_last = keep_last
-        self.rank = _env_int("RANK", 0) if rank is None else rank
-        self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
+        self.rank = (env.env_int(env.RANK) or 0) if rank is None else rank
+        self.world_size = (env.env_int(env.WORLD_SIZE) or 1) if world_size is None else world_size
         self._pending: threading.Thread | None = None
         self._pending_error: BaseException | None = None
 
@@ -438,8 +440,3 @@ def _entry(data: bytes) -> mf.FileEntry:
     import hashlib
 
     return mf.FileEntry(len(data), hashlib.sha256(data).hexdigest())
-
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name, "")
-    return int(value) if value.isdigit() else default

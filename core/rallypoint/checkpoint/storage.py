@@ -16,39 +16,10 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import BinaryIO
 from urllib.parse import unquote, urlparse
 
-from rallypoint.errors import RallypointError
-
-
-class CheckpointError(RallypointError):
-    """A checkpoint could not be written or read; the message says which and why."""
-
-
-class CheckpointStorage(Protocol):
-    """Named objects under one root (a directory, a bucket prefix)."""
-
-    url: str
-
-    def writer(self, name: str) -> contextlib.AbstractContextManager[BinaryIO]:
-        """A binary file to write ``name`` into. The object appears, whole, only when the
-        block ends without an exception; before that, and after a crash, readers see the
-        previous state (no object, or the old one)."""
-        ...
-
-    def reader(self, name: str) -> contextlib.AbstractContextManager[BinaryIO]:
-        """``name`` opened for reading; ``FileNotFoundError`` when there is none."""
-        ...
-
-    def names(self) -> list[str]:
-        """Every complete object, by name (never one still being written)."""
-        ...
-
-    def delete(self, name: str) -> None:
-        """Remove ``name`` and everything under ``name/``; nothing to remove is fine."""
-        ...
-
+from rallypoint.interfaces import CheckpointError
 
 _TEMPORARY = ".tmp-"
 

@@ -1,52 +1,10 @@
-"""Building the rendezvous handler a launch configuration asks for."""
+"""Core's rendezvous protocol on a backend's store: the handler a request gets."""
 
 from __future__ import annotations
 
-from rallypoint.config import DEFAULT_MASTER_PORT, LaunchConfig
 from rallypoint.errors import UsageError
-from rallypoint.extensions import NodeSpec, RendezvousBackend, RendezvousRequest
-from rallypoint.registry import RANK_ASSIGNERS, RENDEZVOUS_BACKENDS, Registry
-from rallypoint.rendezvous.handler import RendezvousHandler
-from rallypoint.rendezvous.store import CoordinationStore
-
-
-def request_for(config: LaunchConfig, registry: Registry, node: NodeSpec) -> RendezvousRequest:
-    """What a backend is told about this node's launch."""
-    return RendezvousRequest(
-        run_id=config.rdzv_id,
-        endpoint=config.rdzv_endpoint,
-        options=config.rdzv_conf,
-        min_nodes=config.min_nodes,
-        max_nodes=config.max_nodes,
-        nproc_per_node=config.nproc_per_node,
-        node=node,
-        rank_assigner=registry.get(RANK_ASSIGNERS, config.rank_assigner),
-        node_rank=config.node_rank,
-        master_addr=config.master_addr,
-        master_port=config.master_port,
-    )
-
-
-def create_handler(config: LaunchConfig, registry: Registry, node: NodeSpec) -> RendezvousHandler:
-    """The handler that runs ``config``'s rendezvous for this node.
-
-    A job of one node meets nobody, whatever the backend (as torchrun, whose default
-    ``--nnodes 1`` is a standalone rendezvous): it runs the protocol on a store in this
-    process's memory. Otherwise the backend gives a whole handler, or a store for the
-    protocol.
-    """
-    request = request_for(config, registry, node)
-    backend = registry.get(RENDEZVOUS_BACKENDS, config.rdzv_backend)
-    if config.max_nodes == 1:
-        from rallypoint.rendezvous.memory import MemoryStore
-
-        if backend.name == "static":  # torchrun's: the given master address, a fixed port
-            port = config.master_port or DEFAULT_MASTER_PORT
-            return protocol_handler(MemoryStore(), request, config.master_addr, port)
-        return protocol_handler(MemoryStore(), request, "localhost")
-    if backend.create_handler is not None:
-        return backend.create_handler(request)
-    return protocol_handler(connect(backend, request), request)
+from rallypoint.extensions import RendezvousBackend, RendezvousRequest
+from rallypoint.interfaces import CoordinationStore, RendezvousHandler
 
 
 def protocol_handler(

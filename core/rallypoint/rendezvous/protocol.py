@@ -47,12 +47,12 @@ from typing import Any
 
 from rallypoint.errors import RallypointError, UsageError
 from rallypoint.events import RoundInfo
-from rallypoint.extensions import NodeSpec, RankAssigner
+from rallypoint.extensions import COMMON_RENDEZVOUS_OPTIONS, NodeSpec, RankAssigner
+from rallypoint.interfaces import Assignment, CoordinationStore, StoreError
+from rallypoint.registry import RANK_ASSIGNERS, describe, plugin_failure
 from rallypoint.rendezvous import records
-from rallypoint.rendezvous.handler import Assignment
 from rallypoint.rendezvous.ports import PortReservation
 from rallypoint.rendezvous.retrying import RetryingStore
-from rallypoint.rendezvous.store import CoordinationStore, StoreError
 
 logger = logging.getLogger("rallypoint.rendezvous")
 
@@ -81,30 +81,27 @@ class _LeaderLost(Exception):
 
 @dataclass(frozen=True)
 class Settings:
-    """The protocol's ``--rdzv-conf`` values and the job's size."""
+    """The protocol's ``--rdzv-conf`` values (``COMMON_RENDEZVOUS_OPTIONS``, whose defaults
+    are the only ones) and the job's size."""
 
     min_nodes: int
     max_nodes: int
-    join_timeout: float = 600.0
-    last_call_timeout: float = 30.0
-    close_timeout: float = 30.0
-    heartbeat_timeout: float = 15.0
-    retry_timeout: float = 60.0
+    join_timeout: float
+    last_call_timeout: float
+    close_timeout: float
+    heartbeat_timeout: float
+    retry_timeout: float
     prefix: str = DEFAULT_PREFIX
 
     @classmethod
     def from_conf(cls, min_nodes: int, max_nodes: int, conf: Mapping[str, Any]) -> Settings:
-        names = (
-            "join_timeout",
-            "last_call_timeout",
-            "close_timeout",
-            "heartbeat_timeout",
-            "retry_timeout",
-        )
-        values: dict[str, Any] = {n: float(conf[n]) for n in names if conf.get(n) is not None}
-        if conf.get("prefix"):
-            values["prefix"] = str(conf["prefix"])
-        return cls(min_nodes, max_nodes, **values)
+        """From a backend's parsed options; a key the backend does not declare takes the
+        protocol's default."""
+        values = {
+            option.name: float(conf.get(option.name, option.default))
+            for option in COMMON_RENDEZVOUS_OPTIONS
+        }
+        return cls(min_nodes, max_nodes, **values, prefix=str(conf.get("prefix") or DEFAULT_PREFIX))
 
 
 class Keys:
@@ -591,10 +588,18 @@ class StoreRendezvous:
             NodeSpec(n.node_id, host=n.host, labels=n.labels, previous_rank=n.previous_rank)
             for n in nodes
         ]
-        ranks = list(self.assigner.assign(specs))
+        who = describe(RANK_ASSIGNERS, self.assigner)
+        try:
+            ranks = list(self.assigner.assign(specs))
+        except RallypointError:  # a deliberate sentence (the static backend's own ranks)
+            raise
+        except Exception as error:  # a plugin's: the round fails, for every node, in a sentence
+            outcome = "the round cannot form, and the job stops on every node"
+            failure = plugin_failure(who, "assign", error, outcome)
+            raise RendezvousFailed(f"rendezvous round {round_}: {failure}") from None
         if sorted(ranks) != list(range(len(nodes))):
             raise RendezvousFailed(
-                f"rank assigner {self.assigner.name!r} returned {ranks} for {len(nodes)} "
+                f"rendezvous round {round_}: {who} returned {ranks} for {len(nodes)} "
                 f"nodes; it must return each of 0..{len(nodes) - 1} once"
             )
         ordered = [node for _, node in sorted(zip(ranks, nodes, strict=True), key=lambda p: p[0])]

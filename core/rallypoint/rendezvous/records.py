@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from rallypoint.rendezvous.store import StoreError
+from rallypoint.interfaces import StoreError
 
 #: 2: node and round records carry ``run_id``. 3: a round record lists its members
 #: compactly (node ids and hosts as space-separated text, nprocs as runs).

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from rallypoint.rendezvous.store import CoordinationStore, StoreError, StoreUnavailable
+from rallypoint.interfaces import CoordinationStore, StoreError, StoreUnavailable
 
 logger = logging.getLogger("rallypoint.rendezvous")
 

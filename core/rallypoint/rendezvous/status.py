@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from rallypoint.interfaces import CoordinationStore
 from rallypoint.rendezvous import records
+from rallypoint.rendezvous.liveness import CounterLiveness
 from rallypoint.rendezvous.protocol import Keys, current_generation, inspect_run
-from rallypoint.rendezvous.store import CoordinationStore, CounterLiveness
 
 
 def read_status(
@@ -38,21 +39,17 @@ def read_status(
     record = records.decode_round(closed_key, raw_closed) if raw_closed else None
     members = record.node_ids if record else ()
     sample = heartbeat_timeout / 3 + 0.5
-    if members and isinstance(store, CounterLiveness):  # liveness is a counter moving
-        for node_id in members:
-            store.alive(keys.heartbeat(node_id), sample)
-        time.sleep(sample)
-    alive = {node_id: store.alive(keys.heartbeat(node_id), sample) for node_id in members}
+    alive = _alive(store, keys, members, sample)
     joined_now = store.add(keys.of_round(round_, "joined"), 0)
     forming = raw_closed is None or (record is not None and record.round != round_)
     gone, _ = inspect_run(store, keys, lambda s, key: s.alive(key, sample))
-    failed = store.get(keys.failed())
-    if failed is not None or (record is not None and record.error and record.round == round_):
-        condition = "failed"
-    elif gone is not None:
-        condition = "abandoned"
-    else:
-        condition = "forming" if forming else "running"
+    failed = store.get(keys.failed()) is not None or bool(
+        record is not None and record.error and record.round == round_
+    )
+    abandoned = gone is not None
+    condition = (
+        "failed" if failed else "abandoned" if abandoned else "forming" if forming else "running"
+    )
     return {
         "run_id": run_id,
         "generation": keys.generation,
@@ -63,19 +60,35 @@ def read_status(
         "completed_round": record.round if record else None,
         "master": f"{record.master_addr}:{record.master_port}" if record else None,
         "error": record.error if record else "",
-        "members": [
-            {
-                "group_rank": rank,
-                "node_id": node_id,
-                "host": record.hosts[rank],
-                "nproc": record.nprocs[rank],
-                "alive": alive[node_id],
-            }
-            for rank, node_id in enumerate(members)
-            if record is not None
-        ],
+        "members": _members(record, alive),
         "joined_current_round": joined_now,
         "waiting": joined_now
         if record is None or record.round != round_
         else max(0, joined_now - len(members)),
     }
+
+
+def _alive(
+    store: CoordinationStore, keys: Keys, members: tuple[str, ...], sample: float
+) -> dict[str, bool]:
+    """Whether each member is alive; a counter's liveness is known by watching it move."""
+    if members and isinstance(store, CounterLiveness):
+        for node_id in members:
+            store.alive(keys.heartbeat(node_id), sample)
+        time.sleep(sample)
+    return {node_id: store.alive(keys.heartbeat(node_id), sample) for node_id in members}
+
+
+def _members(record: records.RoundRecord | None, alive: dict[str, bool]) -> list[dict[str, Any]]:
+    if record is None:
+        return []
+    return [
+        {
+            "group_rank": rank,
+            "node_id": node_id,
+            "host": record.hosts[rank],
+            "nproc": record.nprocs[rank],
+            "alive": alive[node_id],
+        }
+        for rank, node_id in enumerate(record.node_ids)
+    ]

@@ -18,7 +18,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from rallypoint.rendezvous.store import CounterLiveness, StoreError, StoreUnavailable
+from rallypoint.interfaces import StoreError, StoreUnavailable
+from rallypoint.rendezvous.liveness import CounterLiveness
 
 T = TypeVar("T")
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from rallypoint.checkpoint.storage import CheckpointStorage
+from rallypoint.interfaces import CheckpointStorage
 
 OpenStorage = Callable[[], CheckpointStorage]
 

@@ -3,6 +3,22 @@ registered for a while, and a runner for the ``rallypoint`` command line.
 
 The pytest plugin (``rallypoint.testing.pytest_plugin``) wraps each in a fixture; these
 functions are for tests that want them elsewhere (a ``unittest`` case, a script).
+
+A plugin's tests import ``rallypoint.sdk`` and this kit (and where a test plays a training
+script, what scripts import: ``rallypoint.checkpoint``, ``rallypoint.metrics``); what they
+need of the plugin manager and of the core is here too:
+
+* ``PluginManager``: the type of the ``rallypoint_pm`` fixture, for annotations; its
+  ``infos[name]`` says a plugin's ``status``, ``error`` and what it ``registered``.
+* ``build_plugin_manager(environ=None)``: a new plugin manager, not the process-wide one,
+  built from ``environ`` (default ``os.environ``); ``{}`` ignores the plugin switches
+  (``RALLYPOINT_DISABLE_PLUGINS``...) of the environment the tests run in.
+* ``registered(kind, name)`` and ``checkpoint_backend_for(url)``: a registration looked up
+  as the command line and the workers look it up.
+* ``RetryingStore(store, retry_timeout)``: a coordination store wrapped as the rendezvous
+  protocol wraps it, retrying ``StoreUnavailable`` for ``retry_timeout`` seconds.
+* ``checkpoint_directory(step)``, ``checkpoint_step(name)`` and ``CHECKPOINT_MANIFEST``:
+  where ``rallypoint.checkpoint`` puts a checkpoint's files in a checkpoint storage.
 """
 
 from __future__ import annotations
@@ -15,9 +31,22 @@ import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
-from rallypoint.plugins import PluginInfo, PluginManager, get_plugin_manager
-from rallypoint.registry import Registry
+from rallypoint.checkpoint import manifest as _manifest
+from rallypoint.plugins import PluginInfo, get_plugin_manager
+from rallypoint.plugins import PluginManager as PluginManager
+from rallypoint.plugins import build_plugin_manager as build_plugin_manager
+from rallypoint.registry import KINDS
+from rallypoint.rendezvous.retrying import RetryingStore as RetryingStore
+
+if TYPE_CHECKING:
+    from rallypoint.sdk import CheckpointBackend
+
+T = TypeVar("T")
+
+#: The file of a checkpoint written last, once its payload files are complete.
+CHECKPOINT_MANIFEST = _manifest.MANIFEST
 
 #: Launcher settings a test's environment must not pass on to ``rallypoint``: a test run
 #: under ``rallypoint run`` (or in a Kubeflow pod) would otherwise leak its own.
@@ -38,9 +67,7 @@ def fresh_plugin_manager() -> PluginManager:
 
 def recollect(pm: PluginManager) -> None:
     """Collect ``pm``'s registrations again, after a plugin was added or removed."""
-    for info in pm.infos.values():
-        info.registered = {}
-    pm.registry = Registry.collect(pm)
+    pm.collect()
 
 
 @contextlib.contextmanager
@@ -77,6 +104,42 @@ def plugin_registered(
             pm.unregister(name=name)
         pm.infos.pop(name, None)
         recollect(pm)
+
+
+def registered(kind: type[T], name: str, pm: PluginManager | None = None) -> T:
+    """The registration called ``name`` of the extension point whose dataclass is ``kind``
+    (``rallypoint.sdk.RestartPolicy``, ``MetricsSink``...), looked up in ``pm`` (default:
+    the process-wide plugin manager) as ``rallypoint run`` looks up its flags' values.
+
+    A name no active plugin registers raises the ``UsageError`` a user would see, which
+    lists the names there are; a name two plugins register, the error that names both.
+    """
+    pm = get_plugin_manager() if pm is None else pm
+    for point in KINDS:
+        if point.type is kind:
+            found: T = pm.registry.get(point, name)
+            return found
+    names = ", ".join(point.type.__name__ for point in KINDS)
+    raise TypeError(f"{kind.__name__} is no extension point's registration; one of: {names}")
+
+
+def checkpoint_backend_for(url: str, pm: PluginManager | None = None) -> CheckpointBackend:
+    """The checkpoint backend that opens ``url`` (a ``--checkpoint-dir``), chosen by its
+    scheme in ``pm`` (default: the process-wide plugin manager) as the workers choose it."""
+    pm = get_plugin_manager() if pm is None else pm
+    return pm.registry.checkpoint_backend_for(url)
+
+
+def checkpoint_directory(step: int) -> str:
+    """The prefix of the checkpoint of ``step`` in a checkpoint storage: its files are
+    ``<prefix>/<file>``, ``CHECKPOINT_MANIFEST`` among them."""
+    return _manifest.directory(step)
+
+
+def checkpoint_step(name: str) -> int | None:
+    """The step of the checkpoint prefix ``name`` (as ``checkpoint_directory`` makes it), or
+    ``None`` for a name that is not one."""
+    return _manifest.step_of(name)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The pytest plugin of rallypoint, for testing plugins: loaded by pytest on its own.
 
 Installing rallypoint registers it (entry point ``pytest11``, name ``rallypoint``; turn it
-off with ``-p no:rallypoint``). It adds three fixtures:
+off with ``-p no:rallypoint``). It adds four fixtures:
 
 ``rallypoint_pm``
     A plugin manager built fresh for the test from the environment, with the installed
@@ -15,6 +15,11 @@ off with ``-p no:rallypoint``). It adds three fixtures:
     A ``rallypoint.testing.helpers.CliRunner`` working in the test's ``tmp_path``:
     ``invoke(*args)`` runs a command in-process, ``run(*args)`` as a subprocess; both
     return a ``CliResult`` with ``exit_code``, ``stdout`` and ``stderr``.
+``rallypoint_agent_tmpdir``
+    ``TMPDIR`` for the agents and workers a test starts: what they leave behind (the run
+    directory of an agent that failed or was killed) lands in the test's ``tmp_path``,
+    in the directory this returns, not in the machine's ``/tmp``. Use it with
+    ``pytestmark = pytest.mark.usefixtures("rallypoint_agent_tmpdir")``.
 
 The conformance suites live beside it (``rallypoint.testing.*_conformance``): subclass one
 in a test module and give it the fixture it asks for.
@@ -73,3 +78,12 @@ def rallypoint_register(rallypoint_pm: PluginManager) -> Iterator[RegisterPlugin
 def rallypoint_runner(tmp_path: Path, rallypoint_pm: PluginManager) -> CliRunner:
     """Runs ``rallypoint`` commands in ``tmp_path``, in-process or as a subprocess."""
     return CliRunner(cwd=tmp_path)
+
+
+@pytest.fixture
+def rallypoint_agent_tmpdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``TMPDIR`` of the agents the test starts: ``tmp_path / "agent-tmp"``."""
+    agent_tmp = tmp_path / "agent-tmp"
+    agent_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(agent_tmp))
+    return agent_tmp

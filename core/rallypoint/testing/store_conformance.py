@@ -37,10 +37,9 @@ import pytest
 
 from rallypoint.builtins.rank_assigners import ordered
 from rallypoint.extensions import NodeSpec, RankAssigner
-from rallypoint.rendezvous.handler import Assignment
+from rallypoint.interfaces import Assignment, CoordinationStore, StoreError
 from rallypoint.rendezvous.protocol import RendezvousTimeout, Settings, StoreRendezvous
 from rallypoint.rendezvous.retrying import RetryingStore
-from rallypoint.rendezvous.store import CoordinationStore, StoreError
 
 Connect = Callable[[], CoordinationStore]
 Outage = Callable[[float], None]

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 from importlib.util import find_spec
 
-from rallypoint import hookimpl
-from rallypoint.checkpoint.storage import CheckpointStorage
-from rallypoint.extensions import CheckpointBackend
+from rallypoint.sdk import CheckpointBackend, CheckpointStorage, hookimpl
 
 __version__ = "0.1.0"
 

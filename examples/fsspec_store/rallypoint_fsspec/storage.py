@@ -33,7 +33,7 @@ from typing import Any, BinaryIO, cast
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from rallypoint.checkpoint.storage import CheckpointError
+from rallypoint.sdk import CheckpointError
 
 #: Temporary names of the ``rename`` way start with this; ``names()`` never lists them.
 TEMPORARY = ".tmp-"

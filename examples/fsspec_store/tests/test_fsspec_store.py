@@ -26,10 +26,16 @@ import fsspec
 import pytest
 import torch
 
-from rallypoint.checkpoint import Checkpointer, CheckpointError
-from rallypoint.checkpoint import manifest as mf
-from rallypoint.errors import UsageError
-from rallypoint.plugins import build_plugin_manager, get_plugin_manager
+from rallypoint.checkpoint import Checkpointer
+from rallypoint.sdk import CheckpointError, UsageError
+from rallypoint.testing.helpers import (
+    CHECKPOINT_MANIFEST,
+    PluginManager,
+    build_plugin_manager,
+    checkpoint_backend_for,
+    checkpoint_directory,
+    checkpoint_step,
+)
 from rallypoint_fsspec.storage import TEMPORARY, FsspecStorage
 
 HERE = Path(__file__).parent
@@ -41,11 +47,9 @@ TIMEOUT = 120
 
 
 @pytest.fixture(autouse=True)
-def _fresh_plugin_manager() -> Iterator[None]:
+def _fresh_plugin_manager(rallypoint_pm: PluginManager) -> Iterator[None]:
     """Checkpointer(url) finds the store through the cached plugin manager: start clean."""
-    get_plugin_manager.cache_clear()
     yield
-    get_plugin_manager.cache_clear()
 
 
 def memory_url() -> str:
@@ -179,15 +183,14 @@ def test_a_missing_backend_is_one_clear_error() -> None:
 def test_the_plugin_serves_local_and_the_object_stores_installed_here() -> None:
     pm = build_plugin_manager({})
     assert pm.infos["fsspec"].status == "active", pm.infos["fsspec"].error
-    registry = pm.registry
-    assert registry.checkpoint_backend_for("local:///data/ckpt").name == "fsspec"
-    assert registry.checkpoint_backend_for("file:///data/ckpt").name == "file"
-    assert registry.checkpoint_backend_for("/data/ckpt").name == "file"
+    assert checkpoint_backend_for("local:///data/ckpt", pm).name == "fsspec"
+    assert checkpoint_backend_for("file:///data/ckpt", pm).name == "file"
+    assert checkpoint_backend_for("/data/ckpt", pm).name == "file"
     if find_spec("s3fs") is None:
         with pytest.raises(UsageError, match="local://"):
-            registry.checkpoint_backend_for("s3://bucket/run42")
+            checkpoint_backend_for("s3://bucket/run42", pm)
     else:
-        assert registry.checkpoint_backend_for("s3://bucket/run42").name == "fsspec"
+        assert checkpoint_backend_for("s3://bucket/run42", pm).name == "fsspec"
 
 
 # --- the checkpoint format on top ----------------------------------------------------------
@@ -223,11 +226,11 @@ def files_by_step(names: list[str]) -> dict[int, set[str]]:
     steps: dict[int, set[str]] = {}
     for name in names:
         directory, file = name.split("/", 1)
-        step = mf.step_of(directory)
+        step = checkpoint_step(directory)
         assert step is not None, name
         steps.setdefault(step, set()).add(file)
     for files in steps.values():
-        assert {mf.MANIFEST, "state.pt"} <= files
+        assert {CHECKPOINT_MANIFEST, "state.pt"} <= files
     return steps
 
 
@@ -261,7 +264,7 @@ def test_a_damaged_checkpoint_is_skipped_for_the_previous_one(
     checkpointer = make_checkpointer()
     checkpointer.save(state_of(1.0), 1)
     checkpointer.save(state_of(2.0), 2)
-    name = f"{mf.directory(2)}/state.pt"
+    name = f"{checkpoint_directory(2)}/state.pt"
     with checkpointer.storage.reader(name) as handle:
         data = handle.read()
     with checkpointer.storage.writer(name) as handle:
@@ -270,19 +273,19 @@ def test_a_damaged_checkpoint_is_skipped_for_the_previous_one(
     assert loaded is not None and loaded.step == 1
     assert torch.equal(loaded.state["w"], state_of(1.0)["w"])
     assert len(loaded.skipped) == 1
-    assert loaded.skipped[0].startswith(f"{mf.directory(2)}: state.pt {reason}")
-    assert f"checkpoint {mf.directory(2)} skipped" in caplog.text
+    assert loaded.skipped[0].startswith(f"{checkpoint_directory(2)}: state.pt {reason}")
+    assert f"checkpoint {checkpoint_directory(2)} skipped" in caplog.text
 
 
 def test_an_unfinished_checkpoint_is_skipped(make_checkpointer: MakeCheckpointer) -> None:
     checkpointer = make_checkpointer()
     checkpointer.save(state_of(1.0), 1)
-    with checkpointer.storage.writer(f"{mf.directory(2)}/state.pt") as handle:
+    with checkpointer.storage.writer(f"{checkpoint_directory(2)}/state.pt") as handle:
         torch.save(state_of(2.0), handle)  # the payload of step 2, never its manifest
     assert checkpointer.steps() == [1]
     loaded = checkpointer.load_latest()
     assert loaded is not None and loaded.step == 1
-    assert loaded.skipped == (f"{mf.directory(2)}: unfinished (no manifest)",)
+    assert loaded.skipped == (f"{checkpoint_directory(2)}: unfinished (no manifest)",)
 
 
 # --- a real run ----------------------------------------------------------------------------

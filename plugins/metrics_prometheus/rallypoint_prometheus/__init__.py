@@ -7,8 +7,7 @@ is imported only when a run chooses the sink, so an installed plugin costs the C
 
 from __future__ import annotations
 
-from rallypoint import hookimpl
-from rallypoint.extensions import ConfigOption, EventSink, MetricsSink, SinkContext
+from rallypoint.sdk import ConfigOption, EventSink, MetricsSink, SinkContext, hookimpl
 
 __version__ = "0.1.0"
 

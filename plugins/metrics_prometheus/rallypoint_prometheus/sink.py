@@ -25,9 +25,8 @@ from prometheus_client.exposition import push_to_gateway
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
-from rallypoint import events
-from rallypoint.events import Event
-from rallypoint.extensions import SinkContext
+from rallypoint import sdk
+from rallypoint.sdk import Event, SinkContext
 
 logger = logging.getLogger(__name__)
 
@@ -35,13 +34,13 @@ LABELS = ("run_id", "node", "role")
 
 #: What the agent is doing after each event, as the value of ``rallypoint_agent_state``.
 STATES = {
-    events.AGENT_STARTED: 0,  # starting
-    events.RENDEZVOUS_STARTED: 1,  # in rendezvous
-    events.RENDEZVOUS_COMPLETED: 1,
-    events.WORKERS_STARTED: 2,  # running workers
-    events.WORKER_FAILED: 3,  # handling a failure
-    events.WORKERS_RESTARTED: 3,
-    events.AGENT_STOPPING: 4,  # stopping
+    sdk.AGENT_STARTED: 0,  # starting
+    sdk.RENDEZVOUS_STARTED: 1,  # in rendezvous
+    sdk.RENDEZVOUS_COMPLETED: 1,
+    sdk.WORKERS_STARTED: 2,  # running workers
+    sdk.WORKER_FAILED: 3,  # handling a failure
+    sdk.WORKERS_RESTARTED: 3,
+    sdk.AGENT_STOPPING: 4,  # stopping
 }
 
 #: Rendezvous rounds take milliseconds on a warm store and up to ``join_timeout`` when nodes
@@ -52,7 +51,7 @@ CHECKPOINT_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800
 
 #: Events after which every worker of the previous group has ended.
 _GROUP_CHANGES = frozenset(
-    {events.WORKERS_STARTED, events.WORKER_FAILED, events.WORKERS_RESTARTED, events.AGENT_STOPPING}
+    {sdk.WORKERS_STARTED, sdk.WORKER_FAILED, sdk.WORKERS_RESTARTED, sdk.AGENT_STOPPING}
 )
 _LIVE_GAUGE_FILE = re.compile(r"^gauge_live[a-z]+_(\d+)\.db$")
 
@@ -185,7 +184,7 @@ class PrometheusSink:
             self.state.labels(**labels).set(STATES[name])
         if name in _GROUP_CHANGES and self.workers is not None:
             self.workers.forget_dead()
-        if name == events.AGENT_STARTED:
+        if name == sdk.AGENT_STARTED:
             for gauge, key in (
                 (self.nodes_min, "min_nodes"),
                 (self.nodes_max, "max_nodes"),
@@ -193,7 +192,7 @@ class PrometheusSink:
             ):
                 if key in data:
                     gauge.labels(**labels).set(float(data[key]))
-        elif name == events.RENDEZVOUS_COMPLETED:
+        elif name == sdk.RENDEZVOUS_COMPLETED:
             self.rounds.labels(**labels).inc()
             self.nodes_waiting.labels(**labels).set(0)
             if "duration_seconds" in data:
@@ -205,16 +204,16 @@ class PrometheusSink:
             ):
                 if key in data:
                     gauge.labels(**labels).set(float(data[key]))
-        elif name == events.NODES_WAITING:
+        elif name == sdk.NODES_WAITING:
             self.nodes_waiting.labels(**labels).set(float(data.get("nodes_waiting", 0)))
-        elif name == events.WORKER_FAILED:
+        elif name == sdk.WORKER_FAILED:
             reason = data.get("signal") or f"exit_code_{data.get('exit_code')}"
             if data.get("out_of_memory"):
                 reason = "out_of_memory"
             self.failures.labels(**labels, exit_reason=str(reason)).inc()
-        elif name == events.WORKERS_RESTARTED:
+        elif name == sdk.WORKERS_RESTARTED:
             self.restarts.labels(**labels, cause=str(data.get("cause", "failure"))).inc()
-        elif name == events.CHECKPOINT_SAVED:
+        elif name == sdk.CHECKPOINT_SAVED:
             self.checkpoint_save.labels(**labels).observe(float(data.get("seconds", 0.0)))
             blocked = data.get("blocked_seconds", data.get("seconds", 0.0))
             self.checkpoint_blocked.labels(**labels).observe(float(blocked))
@@ -222,7 +221,7 @@ class PrometheusSink:
                 self.checkpoint_bytes.labels(**labels).set(float(data["bytes"]))
             if "step" in data:
                 self.checkpoint_step.labels(**labels).set(float(data["step"]))
-        elif name == events.CHECKPOINT_LOADED:
+        elif name == sdk.CHECKPOINT_LOADED:
             self.checkpoint_load.labels(**labels).observe(float(data.get("seconds", 0.0)))
             self.checkpoints_skipped.labels(**labels).inc(int(data.get("skipped", 0)))
 

@@ -6,20 +6,21 @@ a run uses the backend, so an installed plugin costs the CLI nothing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import Any
 
-from rallypoint import hookimpl
-from rallypoint.errors import UsageError
-from rallypoint.extensions import (
+from rallypoint.sdk import (
     COMMON_RENDEZVOUS_OPTIONS,
     ConfigOption,
+    CoordinationStore,
     RendezvousBackend,
     RendezvousRequest,
+    UsageError,
+    check_liveness_ttl,
+    hookimpl,
+    liveness_ttl,
+    redact_endpoint,
 )
-from rallypoint.redact import redact_endpoint
-
-if TYPE_CHECKING:
-    from rallypoint.rendezvous.store import CoordinationStore
 
 __version__ = "0.1.0"
 
@@ -29,8 +30,8 @@ OPTIONS: tuple[ConfigOption, ...] = (
     ConfigOption(
         "lease_ttl",
         float,
-        10.0,
-        "seconds a dead agent's lease outlives it (at most heartbeat_timeout)",
+        None,
+        "seconds a dead agent's lease outlives it (default: 2/3 of heartbeat_timeout)",
         minimum=0,
         exclusive_minimum=True,
     ),
@@ -69,7 +70,6 @@ TORCH_KEYS = {
 
 def connect(request: RendezvousRequest) -> CoordinationStore:
     """A client of the etcd cluster at ``request.endpoint``, checked within connect_timeout."""
-    from rallypoint.rendezvous.protocol import DEFAULT_PREFIX
     from rallypoint_etcd.config import EtcdConfig, parse_endpoints
     from rallypoint_etcd.store import EtcdStore
 
@@ -79,17 +79,7 @@ def connect(request: RendezvousRequest) -> CoordinationStore:
     except ValueError as error:
         shown = redact_endpoint(request.endpoint)
         raise UsageError(f"--rdzv-endpoint {shown!r}: {error}.") from None
-    heartbeat = float(options.get("heartbeat_timeout") or 15.0)
-    lease_ttl = float(options.get("lease_ttl") or heartbeat)
-    if lease_ttl <= heartbeat / 3:
-        raise UsageError(
-            f"--rdzv-conf lease_ttl={lease_ttl:g}: agents renew their lease every "
-            f"heartbeat_timeout / 3 = {heartbeat / 3:g} s, so it would lapse between renewals; "
-            "raise lease_ttl or lower heartbeat_timeout."
-        )
-    if (options.get("user") is None) != (options.get("password") is None):
-        raise UsageError("--rdzv-conf: give both user and password, or neither.")
-    connect_timeout = float(options.get("connect_timeout") or 5.0)
+    connect_timeout = float(options["connect_timeout"])
     config = EtcdConfig(
         endpoints=endpoints,
         tls=tls,
@@ -101,10 +91,17 @@ def connect(request: RendezvousRequest) -> CoordinationStore:
         connect_timeout=connect_timeout,
         # A request may take longer than a connection: etcd under load, a leader election.
         request_timeout=max(10.0, 2 * connect_timeout),
-        lease_ttl=lease_ttl,
+        lease_ttl=liveness_ttl(options, "lease_ttl"),
     )
-    prefix = str(options.get("prefix") or DEFAULT_PREFIX).rstrip("/")
+    prefix = str(options["prefix"]).rstrip("/")
     return EtcdStore(config, probe_key=f"{prefix}/{request.run_id}/state")
+
+
+def validate(options: Mapping[str, Any]) -> None:
+    """Checks across the options, when the flags are parsed."""
+    check_liveness_ttl(options, "lease_ttl")
+    if (options["user"] is None) != (options["password"] is None):
+        raise ValueError("user and password: give both, or neither.")
 
 
 @hookimpl
@@ -116,5 +113,6 @@ def register_rendezvous_backends() -> list[RendezvousBackend]:
             options=OPTIONS,
             connect=connect,
             torch_keys=TORCH_KEYS,
+            validate=validate,
         )
     ]

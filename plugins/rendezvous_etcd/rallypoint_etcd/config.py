@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rallypoint.redact import redact_endpoint
+from rallypoint.sdk import redact_endpoint
 
 DEFAULT_PORT = 2379
 

@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from rallypoint.rendezvous.store import StoreError, StoreUnavailable
+from rallypoint.sdk import StoreError, StoreUnavailable
 from rallypoint_etcd.config import EtcdConfig
 from rallypoint_etcd.watches import SharedWatch, Watch
 

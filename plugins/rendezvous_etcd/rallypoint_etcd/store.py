@@ -35,7 +35,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from rallypoint.rendezvous.store import StoreError, StoreUnavailable
+from rallypoint.sdk import StoreError, StoreUnavailable
 from rallypoint_etcd.config import EtcdConfig
 from rallypoint_etcd.connection import Connection, etcdrpc, grpc, lease_unary, pooled, share
 from rallypoint_etcd.watches import Watch

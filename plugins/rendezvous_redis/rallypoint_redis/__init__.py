@@ -6,14 +6,18 @@ uses the backend, so an installed plugin costs the CLI nothing.
 
 from __future__ import annotations
 
-from rallypoint import hookimpl
-from rallypoint.extensions import (
+from collections.abc import Mapping
+from typing import Any
+
+from rallypoint.sdk import (
     COMMON_RENDEZVOUS_OPTIONS,
     ConfigOption,
+    CoordinationStore,
     RendezvousBackend,
     RendezvousRequest,
+    check_liveness_ttl,
+    hookimpl,
 )
-from rallypoint.rendezvous.store import CoordinationStore
 
 __version__ = "0.1.0"
 
@@ -23,8 +27,8 @@ OPTIONS: tuple[ConfigOption, ...] = (
     ConfigOption(
         "key_ttl",
         float,
-        10.0,
-        "seconds a dead agent's liveness key outlives it (at most)",
+        None,
+        "seconds a dead agent's liveness key outlives it (default: 2/3 of heartbeat_timeout)",
         minimum=0,
         exclusive_minimum=True,
     ),
@@ -54,6 +58,11 @@ def connect(request: RendezvousRequest) -> CoordinationStore:
     return connect_store(request)
 
 
+def validate(options: Mapping[str, Any]) -> None:
+    """Checks across the options, when the flags are parsed."""
+    check_liveness_ttl(options, "key_ttl")
+
+
 @hookimpl
 def register_rendezvous_backends() -> list[RendezvousBackend]:
     return [
@@ -62,5 +71,6 @@ def register_rendezvous_backends() -> list[RendezvousBackend]:
             description="Redis: key TTLs for liveness, blocking calls for waiting (host:port or URL)",
             options=OPTIONS,
             connect=connect,
+            validate=validate,
         )
     ]

@@ -6,7 +6,7 @@ import ssl
 
 import redis
 
-from rallypoint.rendezvous.store import StoreError, StoreUnavailable
+from rallypoint.sdk import StoreError, StoreUnavailable
 from rallypoint_redis.target import Target
 
 

@@ -43,10 +43,9 @@ from typing import Any, TypeVar
 
 import redis
 
-from rallypoint.extensions import RendezvousRequest
-from rallypoint.rendezvous.store import StoreError, StoreUnavailable
+from rallypoint.sdk import RendezvousRequest, StoreError, StoreUnavailable, liveness_ttl
 from rallypoint_redis.errors import translate
-from rallypoint_redis.target import Target, check_key_ttl, target_for
+from rallypoint_redis.target import Target, target_for
 
 logger = logging.getLogger("rallypoint.redis")
 
@@ -440,12 +439,9 @@ def connect_store(request: RendezvousRequest) -> RedisStore:
     the credentials and the TLS settings. While it cannot be reached the agent retries for
     ``retry_timeout`` (a viewer tries once); other failures are errors at once."""
     target = target_for(request)
-    key_ttl = float(target.options.get("key_ttl") or 10.0)
-    if not request.viewer:
-        key_ttl = check_key_ttl(target.options)
-    store = RedisStore(target, key_ttl)
+    store = RedisStore(target, liveness_ttl(target.options, "key_ttl"))
     try:
-        _probe(store, 0.0 if request.viewer else float(target.options.get("retry_timeout") or 60))
+        _probe(store, 0.0 if request.viewer else float(target.options["retry_timeout"]))
     except BaseException:
         store.close()
         raise

@@ -15,10 +15,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from rallypoint.errors import UsageError
-from rallypoint.extensions import RendezvousRequest
-from rallypoint.redact import redact_endpoint
-from rallypoint.rendezvous.endpoints import parse_endpoint
+from rallypoint.sdk import RendezvousRequest, UsageError, parse_endpoint, redact_endpoint
 
 DEFAULT_PORT = 6379
 DEFAULT_SENTINEL_PORT = 26379
@@ -91,8 +88,8 @@ def target_for(request: RendezvousRequest) -> Target:
         rest = parsed.netloc.rpartition("@")[2]
     username = options.get("username") or url_user
     password = options.get("password") or url_password or os.environ.get("REDIS_PASSWORD")
-    db = url_db if url_db is not None and not options.get("db") else int(options.get("db") or 0)
-    timeout = float(options.get("connect_timeout") or 5.0)
+    db = url_db if url_db is not None and not options["db"] else int(options["db"])
+    timeout = float(options["connect_timeout"])
     # Replies get longer than connects: a reply that times out leaves the command's fate
     # unknown (a paused server runs it when it resumes), so a retried add would count twice.
     read_timeout = max(timeout, READ_TIMEOUT_FLOOR)
@@ -180,18 +177,3 @@ def _sentinel_target(
         tls=tls,
         options=options,
     )
-
-
-def check_key_ttl(options: dict[str, Any]) -> float:
-    """``key_ttl``, refused when live agents would look dead: each refreshes its key every
-    ``heartbeat_timeout / 3``, so the key must outlive two refreshes."""
-    key_ttl = float(options.get("key_ttl") or 10.0)
-    heartbeat = float(options.get("heartbeat_timeout") or 15.0)
-    if key_ttl < 2 * heartbeat / 3:
-        raise UsageError(
-            f"--rdzv-conf key_ttl={key_ttl:g} is shorter than two key refreshes "
-            f"(agents refresh every heartbeat_timeout/3 = {heartbeat / 3:g} s): live agents "
-            f"would look dead; set key_ttl of at least {2 * heartbeat / 3:g} or lower "
-            "heartbeat_timeout."
-        )
-    return key_ttl

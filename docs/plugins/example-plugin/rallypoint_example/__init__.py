@@ -14,8 +14,7 @@ nothing.
 
 from __future__ import annotations
 
-from rallypoint import hookimpl
-from rallypoint.extensions import RankAssigner, RestartPolicy
+from rallypoint.sdk import RankAssigner, RestartPolicy, hookimpl
 from rallypoint_example.policy import POLICY
 from rallypoint_example.topology import ASSIGNER
 

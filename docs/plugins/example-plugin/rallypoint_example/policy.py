@@ -14,7 +14,7 @@ closer together than they were: the policy errs on the side of giving up.
 
 from __future__ import annotations
 
-from rallypoint.extensions import ConfigOption, RestartDecision, RestartPolicy, RestartRequest
+from rallypoint.sdk import ConfigOption, RestartDecision, RestartPolicy, RestartRequest
 
 OPTIONS = (
     ConfigOption("max_failures", int, 3, "failures within the window that end the run"),

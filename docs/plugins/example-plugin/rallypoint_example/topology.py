@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rallypoint.extensions import NodeSpec, RankAssigner
+from rallypoint.sdk import NodeSpec, RankAssigner
 
 ENV = "RALLYPOINT_EXAMPLE_TOPOLOGY"
 

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rallypoint.extensions import NodeSpec, RankAssigner, RestartPolicy, RestartRequest
-from rallypoint.plugins import PluginManager
-from rallypoint.registry import RANK_ASSIGNERS, RESTART_POLICIES
+from rallypoint.sdk import NodeSpec, RankAssigner, RestartPolicy, RestartRequest
+from rallypoint.testing.helpers import PluginManager, registered
 from rallypoint.testing.rank_assigner_conformance import RankAssignerConformance
 from rallypoint.testing.restart_policy_conformance import RestartPolicyConformance
 from rallypoint_example.policy import POLICY, failures_in_window
@@ -119,5 +118,5 @@ def test_the_plugin_is_installed_and_registers_both(rallypoint_pm: PluginManager
         "restart policy": ["failure-window"],
         "rank assigner": ["topology-file"],
     }
-    assert rallypoint_pm.registry.get(RESTART_POLICIES, "failure-window") is POLICY
-    assert rallypoint_pm.registry.get(RANK_ASSIGNERS, "topology-file") is ASSIGNER
+    assert registered(RestartPolicy, "failure-window", rallypoint_pm) is POLICY
+    assert registered(RankAssigner, "topology-file", rallypoint_pm) is ASSIGNER

@@ -17,7 +17,7 @@ import launch
 from launch import assert_no_worker_left, kill, wait_for_text, worker
 from servers import RedisServer, start_redis
 
-pytestmark = pytest.mark.usefixtures("agent_tmpdir")
+pytestmark = pytest.mark.usefixtures("rallypoint_agent_tmpdir")
 
 CONF = "heartbeat_timeout=3,key_ttl=2,last_call_timeout=1,retry_timeout=30"
 

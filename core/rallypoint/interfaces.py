@@ -1,20 +1,24 @@
-"""The coordination-store interface the rendezvous protocol runs on.
+"""The interfaces plugins implement and the agent drives, apart from the registrations.
 
-A backend implements these few operations on its service (torch's TCPStore, etcd, Redis)
-and gets the whole protocol of ``rendezvous.protocol``: membership, ranks, last call,
-late joiners, dead-node detection, outage retries and the exit barrier.
-``rendezvous.memory.MemoryStore`` is the reference implementation, in one process.
+A registration (``rallypoint.extensions``) is what a plugin yields; these are what its
+callables return: a ``CoordinationStore`` (a rendezvous backend's ``connect``), a whole
+``RendezvousHandler`` (its ``create_handler``) with the ``Assignment`` of each round, a
+``CheckpointStorage`` (a checkpoint backend's ``open``); and the errors they raise. They
+import nothing but ``rallypoint.errors`` and ``rallypoint.events``, so that every other
+module can depend on them and none of them on another.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
-import time
 from collections.abc import Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import BinaryIO, Protocol
 
 from rallypoint.errors import RallypointError
+from rallypoint.events import RoundInfo
+
+# --- the coordination store of the rendezvous protocol -------------------------------------
 
 
 class StoreError(RallypointError):
@@ -111,54 +115,88 @@ class CoordinationStore(Protocol):
         ...
 
 
-#: What ``CounterLiveness.end_liveness`` adds to a counter: far below zero, for good.
-_GONE = -(1 << 62)
+# --- a rendezvous of a backend's own --------------------------------------------------------
 
 
-class CounterLiveness:
-    """``keep_alive`` and ``alive`` for a store with no expiry of its own (TCPStore).
+@dataclass(frozen=True)
+class Assignment:
+    """A completed round, as this node takes part in it.
 
-    The owner bumps a counter; an observer remembers when it last saw the counter move.
-    A counter never seen before, or not read for longer than ``ttl`` (the store was
-    unreachable), starts a new observation instead of counting as dead: only time this
-    observer could see the counter and it stood still counts. Clones share what they saw.
-    An owner that closes its store (``end_liveness``) drops the counter below zero:
-    dead at once.
+    Attributes:
+        info: the round's public description (number, ranks, sizes, master, members).
+        local_world_sizes: workers per node, indexed by group rank; global ranks are their
+            prefix sums, as in torchrun.
     """
 
-    def __init__(self) -> None:
-        self._seen: dict[str, tuple[int, float, float]] = {}  # value, moved at, read at
-        self._lock = threading.Lock()
-        self._kept: set[str] = set()  # the keys this connection kept alive
+    info: RoundInfo
+    local_world_sizes: tuple[int, ...]
 
-    def add(self, key: str, amount: int) -> int:
-        raise NotImplementedError
+    @property
+    def rank_offset(self) -> int:
+        """The global rank of this node's local rank 0."""
+        return sum(self.local_world_sizes[: self.info.group_rank])
 
-    def keep_alive(self, key: str, ttl: float) -> None:
-        self.add(key, 1)
-        self._kept.add(key)
 
-    def end_liveness(self) -> None:
-        """The keys this connection kept alive are dead from now on (called by close)."""
-        kept, self._kept = self._kept, set()
-        for key in kept:
-            with contextlib.suppress(StoreError):  # an unreachable store: they lapse
-                self.add(key, _GONE)
+class RendezvousHandler(Protocol):
+    """A rendezvous as the agent drives it."""
 
-    def alive(self, key: str, ttl: float) -> bool:
-        value = self.add(key, 0)
-        if value < 0:  # its owner closed: gone
-            return False
-        now = time.monotonic()
-        with self._lock:
-            seen = self._seen.get(key)
-            if seen is None or seen[0] != value or now - seen[2] > ttl:
-                self._seen[key] = (value, now, now)
-                return True
-            self._seen[key] = (value, seen[1], now)
-            return now - seen[1] <= ttl
+    def next_round(self) -> Assignment:
+        """Join the next round and block until it completes; raise on timeout or close."""
+        ...
 
-    def _share_liveness(self, clone: CounterLiveness) -> None:
-        """``clone`` shares what this connection saw; what it keeps alive is its own."""
-        clone._seen, clone._lock = self._seen, self._lock
-        clone._kept = set()
+    def nodes_waiting(self) -> int:
+        """Nodes that arrived after the current round completed (they trigger a new round)."""
+        ...
+
+    def request_new_round(self) -> None:
+        """This node's workers failed and will restart: make every node start a new round."""
+        ...
+
+    def exit_barrier(self, timeout: float) -> None:
+        """Wait, at most ``timeout`` seconds, for every node of the round to finish."""
+        ...
+
+    def close(self) -> None:
+        """Leave the rendezvous and release what the handler holds (ports, connections)."""
+        ...
+
+
+# --- checkpoint storage -------------------------------------------------------------------
+
+
+class CheckpointError(RallypointError):
+    """A checkpoint could not be written or read; the message says which and why."""
+
+
+class CheckpointStorage(Protocol):
+    """Named objects under one root (a directory, a bucket prefix).
+
+    What ``Checkpointer`` writes through it, for the checkpoint of step 120, in this order:
+    ``step-000000000120/begun``, an empty object (zero bytes) that marks the checkpoint as
+    begun, so that a save that never finished is listed by ``names`` and removed by a
+    later rotation; the payload, ``state.pt`` (a sharded save's files under ``shards/``
+    are written by ``torch.distributed.checkpoint`` on the file system itself); and last
+    ``manifest.json``, whose presence makes the checkpoint complete. ``begun`` is never
+    read, only listed and deleted with its prefix: a storage must keep, list and delete an
+    empty object like any other.
+    """
+
+    url: str
+
+    def writer(self, name: str) -> contextlib.AbstractContextManager[BinaryIO]:
+        """A binary file to write ``name`` into. The object appears, whole, only when the
+        block ends without an exception; before that, and after a crash, readers see the
+        previous state (no object, or the old one)."""
+        ...
+
+    def reader(self, name: str) -> contextlib.AbstractContextManager[BinaryIO]:
+        """``name`` opened for reading; ``FileNotFoundError`` when there is none."""
+        ...
+
+    def names(self) -> list[str]:
+        """Every complete object, by name (never one still being written)."""
+        ...
+
+    def delete(self, name: str) -> None:
+        """Remove ``name`` and everything under ``name/``; nothing to remove is fine."""
+        ...

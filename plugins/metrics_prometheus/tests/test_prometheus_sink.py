@@ -18,8 +18,8 @@ from prometheus_fixtures import (
     start_worker,
 )
 
-from rallypoint import events
-from rallypoint.events import Event
+from rallypoint import sdk
+from rallypoint.sdk import Event
 from rallypoint_prometheus.sink import PrometheusSink
 from servers import require_binary, start_prometheus, wait_until
 
@@ -62,10 +62,10 @@ def test_endpoint_serves_the_events(populated_sink: PrometheusSink) -> None:
 def test_nodes_waiting_until_the_next_round(tmp_path: Path) -> None:
     sink = create_sink({"port": 0, "addr": "127.0.0.1"})
     try:
-        sink.emit(Event(events.NODES_WAITING, RUN, {"nodes_waiting": 2}))
+        sink.emit(Event(sdk.NODES_WAITING, RUN, {"nodes_waiting": 2}))
         url = f"http://127.0.0.1:{sink.port}/metrics"
         assert value(fetch(url), f"rallypoint_nodes_waiting{{{LABELS}}}") == 2
-        sink.emit(Event(events.RENDEZVOUS_COMPLETED, RUN, {"world_size": 3}))
+        sink.emit(Event(sdk.RENDEZVOUS_COMPLETED, RUN, {"world_size": 3}))
         assert value(fetch(url), f"rallypoint_nodes_waiting{{{LABELS}}}") == 0
     finally:
         sink.close()
@@ -111,7 +111,7 @@ def test_restarted_workers_are_not_counted_twice(tmp_path: Path) -> None:
     queue, samples = f"app_queue{{{worker}}}", f"rallypoint_training_samples_total{{{worker}}}"
     try:
         first = start_worker(metrics_dir, rank=1)
-        sink.emit(Event(events.WORKERS_STARTED, RUN, {"pids": [first.pid]}))
+        sink.emit(Event(sdk.WORKERS_STARTED, RUN, {"pids": [first.pid]}))
         text = fetch(url)
         assert (value(text, queue), value(text, samples)) == (2, 64)
 
@@ -121,7 +121,7 @@ def test_restarted_workers_are_not_counted_twice(tmp_path: Path) -> None:
         assert not list(metrics_dir.glob(f"gauge_live*_{first.pid}.db"))
 
         second = start_worker(metrics_dir, rank=1)  # its successor, same rank
-        sink.emit(Event(events.WORKERS_STARTED, RUN, {"pids": [second.pid]}))
+        sink.emit(Event(sdk.WORKERS_STARTED, RUN, {"pids": [second.pid]}))
         try:
             text = fetch(url)
             assert (value(text, queue), value(text, samples)) == (2, 128)
@@ -157,7 +157,7 @@ def test_pushgateway_receives_the_metrics(pushgateway: Pushgateway) -> None:
         emit_every_event(sink)
         # Pushed every 0.2 s while the run goes on.
         assert wait_until(lambda: value(fetch(f"{pushgateway.url}/metrics"), world) == 8, 15)
-        sink.emit(Event(events.AGENT_STOPPING, RUN, {"exit_code": 0, "reason": "done"}))
+        sink.emit(Event(sdk.AGENT_STOPPING, RUN, {"exit_code": 0, "reason": "done"}))
     finally:
         sink.close()
     # close() pushed the final state: it stays in the gateway after the run.

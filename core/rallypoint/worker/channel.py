@@ -1,5 +1,5 @@
 """Events from workers to their agent: checkpoint saves and loads, for the metrics sinks,
-and heartbeats, for the watchdog (``rallypoint.progress``).
+and heartbeats, for the watchdog (``rallypoint.worker.progress``).
 
 The agent listens on a Unix datagram socket in the abstract namespace (nothing on disk)
 and names it in ``RALLYPOINT_EVENTS_SOCKET``; a worker sends one JSON object per event.
@@ -19,8 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 from rallypoint import events
+from rallypoint.worker import env
 
-ENV = "RALLYPOINT_EVENTS_SOCKET"
+ENV = env.EVENTS_SOCKET
 #: The events a worker may send; anything else is ignored by the agent.
 WORKER_EVENTS = frozenset({events.CHECKPOINT_SAVED, events.CHECKPOINT_LOADED})
 #: A worker's sign of progress: for the agent's watchdog only, never an event of the run.
@@ -36,19 +37,14 @@ def send(name: str, **data: Any) -> None:
     if not address:
         return
     # RALLYPOINT_LOCAL_RANK: the real one, also under --virtual-local-rank (LOCAL_RANK 0).
-    local_rank = _int_env("RALLYPOINT_LOCAL_RANK")
+    local_rank = env.env_int(env.NODE_LOCAL_RANK)
     if local_rank is None:
-        local_rank = _int_env("LOCAL_RANK")
-    payload = {"event": name, "rank": _int_env("RANK"), "local_rank": local_rank}
+        local_rank = env.env_int(env.LOCAL_RANK)
+    payload = {"event": name, "rank": env.env_int(env.RANK), "local_rank": local_rank}
     message = json.dumps({**payload, **data}, default=str).encode()
     with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.setblocking(False)
         sock.sendto(message, "\0" + address)
-
-
-def _int_env(name: str) -> int | None:
-    value = os.environ.get(name, "")
-    return int(value) if value.isdigit() else None
 
 
 class Receiver:

@@ -15,8 +15,8 @@ import pytest
 from etcd_servers import PASSWORD, USER, Restartable
 from pyetcd import etcdrpc
 
-from rallypoint.rendezvous.retrying import RetryingStore
-from rallypoint.rendezvous.store import StoreError, StoreUnavailable
+from rallypoint.sdk import StoreError, StoreUnavailable
+from rallypoint.testing.helpers import RetryingStore
 from rallypoint.testing.store_conformance import Connect, StoreConformance
 from rallypoint_etcd.config import EtcdConfig, parse_endpoints
 from rallypoint_etcd.store import EtcdStore, _lease_id

@@ -9,16 +9,15 @@ from typing import Any
 
 import pytest
 
-from rallypoint.extensions import MetricsSink
-from rallypoint.plugins import build_plugin_manager
-from rallypoint.registry import METRICS_SINKS
+from rallypoint.sdk import MetricsSink
+from rallypoint.testing.helpers import build_plugin_manager, registered
 from rallypoint.testing.metrics_sink_conformance import MetricsSinkConformance
 
 
 class TestPrometheusSink(MetricsSinkConformance):
     @pytest.fixture
     def sink(self) -> MetricsSink:
-        registration = build_plugin_manager({}).registry.get(METRICS_SINKS, "prometheus")
+        registration = registered(MetricsSink, "prometheus", build_plugin_manager({}))
         assert registration.worker_metrics
         return registration
 

@@ -9,8 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from rallypoint.extensions import RendezvousRequest
-from rallypoint.rendezvous.store import StoreUnavailable
+from rallypoint.sdk import RendezvousRequest, StoreUnavailable
 from rallypoint.testing.store_conformance import Connect, Outage, StoreConformance
 from rallypoint_redis import OPTIONS
 from rallypoint_redis.store import connect_store

@@ -14,7 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from rallypoint import metrics, worker_channel
+from rallypoint import metrics
+from rallypoint.worker import channel as worker_channel
 
 directory, steps = Path(sys.argv[1]), int(sys.argv[2])
 rank = int(os.environ["RANK"])

@@ -14,7 +14,7 @@ from prometheus_fixtures import fetch
 from rallypoint_prometheus.sink import PrometheusSink
 from servers import PrometheusServer, require_binary
 
-PLUGIN = Path(__file__).resolve().parents[3] / "plugins" / "metrics_prometheus"
+PLUGIN = Path(__file__).resolve().parents[1]  # the distribution
 RULES = PLUGIN / "alerts" / "rallypoint.rules.yml"
 DASHBOARD = PLUGIN / "grafana" / "rallypoint.json"
 RULE_TESTS = Path(__file__).with_name("rallypoint.rules.test.yml")

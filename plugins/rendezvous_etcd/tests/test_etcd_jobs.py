@@ -23,7 +23,7 @@ from launch import (
 )
 from servers import EtcdServer, free_port
 
-pytestmark = pytest.mark.usefixtures("agent_tmpdir")
+pytestmark = pytest.mark.usefixtures("rallypoint_agent_tmpdir")
 
 # Dead agents are found within lease_ttl (their lease expires) + heartbeat_timeout / 3.
 CONF = "heartbeat_timeout=3,lease_ttl=3,last_call_timeout=1,connect_timeout=5"

@@ -3,7 +3,7 @@
 ``rallypoint.heartbeat()`` says "this worker is making progress". The agent arms its
 watchdog for a worker at the first heartbeat; a worker silent for longer than the timeout
 afterwards is killed and restarted like a worker that failed. Heartbeats travel over the
-worker channel (``rallypoint.worker_channel``) as one small datagram, at most one every
+worker channel (``rallypoint.worker.channel``) as one small datagram, at most one every
 ``min(0.1 s, timeout / 10)``, so calling ``heartbeat()`` on every step of a fast loop costs
 next to nothing. Without a watchdog, or outside ``rallypoint run``, it does nothing; it
 never blocks and never raises.
@@ -14,10 +14,11 @@ from __future__ import annotations
 import os
 import time
 
-from rallypoint import worker_channel
+from rallypoint.worker import channel as worker_channel
+from rallypoint.worker import env
 
 #: The variable the agent sets from ``--watchdog-timeout`` (unset: no watchdog).
-ENV = "RALLYPOINT_WATCHDOG_TIMEOUT"
+ENV = env.PROGRESS_TIMEOUT
 #: The longest a heartbeat waits behind the previous one (rate limit).
 _MIN_GAP = 0.1
 

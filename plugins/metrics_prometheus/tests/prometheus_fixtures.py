@@ -13,11 +13,9 @@ from typing import Any
 
 import pytest
 
-from rallypoint import events
-from rallypoint.events import Event, RunInfo
-from rallypoint.extensions import SinkContext
-from rallypoint.plugins import get_plugin_manager
-from rallypoint.registry import METRICS_SINKS
+from rallypoint import sdk
+from rallypoint.sdk import Event, MetricsSink, RunInfo, SinkContext
+from rallypoint.testing.helpers import registered
 from rallypoint_prometheus.sink import PrometheusSink
 from servers import ServerProcess, free_port, require_binary, wait_until
 
@@ -36,7 +34,7 @@ def fetch(url: str) -> str:
 
 def create_sink(options: dict[str, object], metrics_dir: Path | None = None) -> PrometheusSink:
     """The sink as the agent creates it: from its registration, every option present."""
-    registration = get_plugin_manager().registry.get(METRICS_SINKS, "prometheus")
+    registration = registered(MetricsSink, "prometheus")
     values = {option.name: option.default for option in registration.options}
     values.update(options)
     created = registration.create(
@@ -53,20 +51,20 @@ def emit_every_event(sink: PrometheusSink) -> None:
         "master_addr": "host-a", "master_port": 29500, "members": ["node-a", "node-b"],
     }  # fmt: skip
     timeline: list[tuple[str, dict[str, Any]]] = [
-        (events.AGENT_STARTED, {"nproc_per_node": 4, "min_nodes": 2, "max_nodes": 3}),
-        (events.RENDEZVOUS_STARTED, {"restart_count": 0}),
-        (events.RENDEZVOUS_COMPLETED, {**round_info, "duration_seconds": 0.25}),
-        (events.WORKERS_STARTED, {**round_info, "pids": [11, 12, 13, 14]}),
-        (events.CHECKPOINT_LOADED, {"step": 0, "seconds": 1.5, "bytes": 10, "skipped": 1}),
-        (events.CHECKPOINT_SAVED, {"step": 100, "seconds": 3.0, "bytes": 2048,
+        (sdk.AGENT_STARTED, {"nproc_per_node": 4, "min_nodes": 2, "max_nodes": 3}),
+        (sdk.RENDEZVOUS_STARTED, {"restart_count": 0}),
+        (sdk.RENDEZVOUS_COMPLETED, {**round_info, "duration_seconds": 0.25}),
+        (sdk.WORKERS_STARTED, {**round_info, "pids": [11, 12, 13, 14]}),
+        (sdk.CHECKPOINT_LOADED, {"step": 0, "seconds": 1.5, "bytes": 10, "skipped": 1}),
+        (sdk.CHECKPOINT_SAVED, {"step": 100, "seconds": 3.0, "bytes": 2048,
                                    "blocked_seconds": 0.5, "asynchronous": True}),
-        (events.NODES_WAITING, {"nodes_waiting": 1}),
-        (events.WORKER_FAILED, {"local_rank": 1, "rank": 1, "pid": 12, "exit_code": None,
+        (sdk.NODES_WAITING, {"nodes_waiting": 1}),
+        (sdk.WORKER_FAILED, {"local_rank": 1, "rank": 1, "pid": 12, "exit_code": None,
                                 "signal": "SIGKILL", "message": "", "timestamp": 0.0}),
-        (events.WORKERS_RESTARTED, {"restart_count": 1, "cause": "failure"}),
-        (events.RENDEZVOUS_STARTED, {"restart_count": 1}),
-        (events.RENDEZVOUS_COMPLETED, {**round_info, "round": 1, "duration_seconds": 0.5}),
-        (events.WORKERS_STARTED, {**round_info, "round": 1, "pids": [21, 22, 23, 24]}),
+        (sdk.WORKERS_RESTARTED, {"restart_count": 1, "cause": "failure"}),
+        (sdk.RENDEZVOUS_STARTED, {"restart_count": 1}),
+        (sdk.RENDEZVOUS_COMPLETED, {**round_info, "round": 1, "duration_seconds": 0.5}),
+        (sdk.WORKERS_STARTED, {**round_info, "round": 1, "pids": [21, 22, 23, 24]}),
     ]  # fmt: skip
     for name, data in timeline:
         sink.emit(Event(name, RUN, data))

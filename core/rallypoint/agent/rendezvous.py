@@ -1,0 +1,55 @@
+"""The agent's rendezvous: the handler its launch configuration asks for, on this node."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from rallypoint.config import DEFAULT_MASTER_PORT, LaunchConfig
+from rallypoint.extensions import NodeSpec, RendezvousRequest
+from rallypoint.interfaces import RendezvousHandler
+from rallypoint.registry import replace_registration
+from rallypoint.rendezvous.factory import connect, protocol_handler
+
+
+def request_for(config: LaunchConfig, node: NodeSpec) -> RendezvousRequest:
+    """What a backend is told about this node's launch."""
+    assigner = config.assigner.item
+    if assigner.options:  # its --rank-conf values go with every call
+        assigner = replace_registration(
+            assigner, assign=partial(assigner.assign, options=config.assigner.options)
+        )
+    return RendezvousRequest(
+        run_id=config.rdzv_id,
+        endpoint=config.rdzv_endpoint,
+        options=config.rdzv_conf,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        nproc_per_node=config.nproc_per_node,
+        node=node,
+        rank_assigner=assigner,
+        node_rank=config.node_rank,
+        master_addr=config.master_addr,
+        master_port=config.master_port,
+    )
+
+
+def create_handler(config: LaunchConfig, node: NodeSpec) -> RendezvousHandler:
+    """The handler that runs ``config``'s rendezvous for this node.
+
+    A job of one node meets nobody, whatever the backend (as torchrun, whose default
+    ``--nnodes 1`` is a standalone rendezvous): it runs the protocol on a store in this
+    process's memory. Otherwise the backend gives a whole handler, or a store for the
+    protocol.
+    """
+    request = request_for(config, node)
+    backend = config.rendezvous.item
+    if config.max_nodes == 1:
+        from rallypoint.rendezvous.memory import MemoryStore
+
+        if backend.name == "static":  # torchrun's: the given master address, a fixed port
+            port = config.master_port or DEFAULT_MASTER_PORT
+            return protocol_handler(MemoryStore(), request, config.master_addr, port)
+        return protocol_handler(MemoryStore(), request, "localhost")
+    if backend.create_handler is not None:
+        return backend.create_handler(request)
+    return protocol_handler(connect(backend, request), request)

@@ -1,0 +1,55 @@
+"""The names of the environment variables a worker gets, and one way to read a number.
+
+The agent writes them (``rallypoint.agent.environment``); the worker-side modules read
+them. torchrun's are listed in docs/user-guide.md; rallypoint's start with ``RALLYPOINT_``.
+No ``RALLYPOINT_<FLAG>`` name of a ``rallypoint run`` flag is used here, so that a flag's
+variable in the agent's environment never switches anything on in its workers.
+"""
+
+from __future__ import annotations
+
+import os
+
+# torchrun's.
+RANK = "RANK"
+LOCAL_RANK = "LOCAL_RANK"
+WORLD_SIZE = "WORLD_SIZE"
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+GROUP_RANK = "GROUP_RANK"
+GROUP_WORLD_SIZE = "GROUP_WORLD_SIZE"
+ROLE_RANK = "ROLE_RANK"
+ROLE_NAME = "ROLE_NAME"
+ROLE_WORLD_SIZE = "ROLE_WORLD_SIZE"
+MASTER_ADDR = "MASTER_ADDR"
+MASTER_PORT = "MASTER_PORT"
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
+TORCH_RUN_ID = "TORCHELASTIC_RUN_ID"
+USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+SIGNALS_TO_HANDLE = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+OMP_NUM_THREADS = "OMP_NUM_THREADS"
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+
+# rallypoint's.
+RUN_ID = "RALLYPOINT_RUN_ID"
+NODE_ID = "RALLYPOINT_NODE_ID"
+RENDEZVOUS_ROUND = "RALLYPOINT_RENDEZVOUS_ROUND"
+#: The worker's place on its node, also when --virtual-local-rank makes LOCAL_RANK 0.
+NODE_LOCAL_RANK = "RALLYPOINT_LOCAL_RANK"
+#: ``--checkpoint-dir``: where ``rallypoint.checkpoint`` saves.
+CHECKPOINT_URL = "RALLYPOINT_CHECKPOINT_URL"
+#: The agent's datagram socket for worker events (``rallypoint.worker.channel``).
+EVENTS_SOCKET = "RALLYPOINT_EVENTS_SOCKET"
+#: Where ``rallypoint.metrics`` records, when a chosen sink exports worker metrics.
+METRICS_DIR = "RALLYPOINT_METRICS_DIR"
+#: ``--watchdog-timeout`` when the watchdog is on: ``rallypoint.heartbeat()`` sends nothing
+#: without it.
+PROGRESS_TIMEOUT = "RALLYPOINT_PROGRESS_TIMEOUT"
+
+
+def env_int(name: str) -> int | None:
+    """The whole number in ``name``, or None when it is unset, empty or not one."""
+    value = os.environ.get(name, "").strip()
+    return int(value) if value.isascii() and value.isdigit() else None
