@@ -220,7 +220,7 @@ def render() -> str:
         "     change the hookspecs and run `.venv/bin/python docs/gen_hook_reference.py`. -->",
         "",
         *render_docstring(hookspecs.__doc__ or ""),
-        "Import the marker with `from rallypoint import hookimpl`. "
+        "Import the marker and the dataclasses from the plugin API: `from rallypoint.sdk import hookimpl` (see [the plugin API](api.md)). "
         + (
             "Hooks marked *firstresult* stop at the first implementation that returns "
             f"something other than `None`: {', '.join(f'`{n}`' for n in first)}."

@@ -1,15 +1,15 @@
 """Hook specifications: every way a plugin can extend rallypoint.
 
-A plugin is a module (or object) with functions marked ``@rallypoint.hookimpl`` whose names
-and parameters match the specifications below; it may implement any subset and may leave
-out parameters it does not need. Installed plugins are found through the ``rallypoint``
+A plugin is a module (or object) with functions marked ``@hookimpl`` (``rallypoint.sdk``)
+whose names and parameters match the specifications below; it may implement any subset and
+may leave out parameters it does not need. Installed plugins are found through the ``rallypoint``
 entry-point group::
 
     [project.entry-points.rallypoint]
     mything = "rallypoint_mything"
 
 The ``register_*`` hooks declare named implementations of the five extension points; each
-returns a list (or any iterable) of the dataclasses in ``rallypoint.extensions``. The
+returns a list (or any iterable) of the registration dataclasses of ``rallypoint.sdk``. The
 ``on_*`` hooks are told about each phase of a run; their return values are ignored.
 """
 
