@@ -595,8 +595,9 @@ def record(runs: list[Sample], cap: float, n: int, stop: int | None) -> dict[str
 
 def decode_cost(n: int) -> dict[str, float]:
     """What every node spends decoding an N-member round record (records.decode_round)."""
+    from rallypoint.extensions import DEFAULT_PREFIX
     from rallypoint.rendezvous import records
-    from rallypoint.rendezvous.protocol import DEFAULT_PREFIX, Keys
+    from rallypoint.rendezvous.protocol import Keys
 
     ids = tuple(f"node{i}" for i in range(n))
     keys = Keys(DEFAULT_PREFIX, "bench-decode")

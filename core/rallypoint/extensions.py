@@ -123,6 +123,10 @@ Validate = Callable[[Mapping[str, Any]], None]
 
 # --- rendezvous backends ------------------------------------------------------------------
 
+#: Where the rendezvous protocol keeps a run's keys unless a backend's ``prefix`` option says
+#: otherwise: ``<prefix>/<run id>/...``.
+DEFAULT_PREFIX = "/rallypoint"
+
 #: Options of the rendezvous protocol itself, shared by every backend built on it. Names and
 #: defaults follow torchrun's ``--rdzv-conf`` keys where torchrun has them.
 COMMON_RENDEZVOUS_OPTIONS: tuple[ConfigOption, ...] = (

@@ -36,6 +36,7 @@ from rallypoint.events import (
 )
 from rallypoint.extensions import (
     COMMON_RENDEZVOUS_OPTIONS,
+    DEFAULT_PREFIX,
     CheckpointBackend,
     ConfigOption,
     EventSink,
@@ -65,7 +66,7 @@ from rallypoint.interfaces import (
 from rallypoint.redact import redact_endpoint, redact_urls
 from rallypoint.rendezvous.endpoints import parse_endpoint
 from rallypoint.rendezvous.liveness import CounterLiveness
-from rallypoint.rendezvous.protocol import DEFAULT_PREFIX
+from rallypoint.rendezvous.memory import MemoryStore
 
 __all__ = [
     "AGENT_STARTED",

@@ -47,7 +47,12 @@ from typing import Any
 
 from rallypoint.errors import RallypointError, UsageError
 from rallypoint.events import RoundInfo
-from rallypoint.extensions import COMMON_RENDEZVOUS_OPTIONS, NodeSpec, RankAssigner
+from rallypoint.extensions import (
+    COMMON_RENDEZVOUS_OPTIONS,
+    DEFAULT_PREFIX,
+    NodeSpec,
+    RankAssigner,
+)
 from rallypoint.interfaces import Assignment, CoordinationStore, StoreError
 from rallypoint.registry import RANK_ASSIGNERS, describe, plugin_failure
 from rallypoint.rendezvous import records
@@ -61,7 +66,6 @@ PROGRESS_INTERVAL = 5.0
 #: The longest the heartbeat thread blocks in one store call while a round runs; it bounds
 #: how long closing the handler waits for the thread.
 WAKE_SLICE = 0.5
-DEFAULT_PREFIX = "/rallypoint"
 #: The longest a node hosting the store waits, when it leaves, for the others to leave.
 LEAVE_GRACE = 5.0
 
