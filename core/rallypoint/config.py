@@ -293,7 +293,10 @@ def _choose_sinks(
         pairs = [pair for pair in split_list(conf) if pair.partition("=")[0].strip() in own]
         options = parse_options(",".join(pairs), sink.options, "--metrics-conf", sink.name)
         if port is not None and "port" in own:  # the flag wins over --metrics-conf port=
-            options["port"] = port
+            try:  # the sink's own declaration of its port checks the flag's value
+                options["port"] = own["port"].parse(str(port))
+            except ValueError as error:
+                raise UsageError(f"--metrics-port {port}: {error}.") from None
         _validate(sink, options, "--metrics-conf")
         chosen.append(Choice(sink, options))
     return tuple(chosen)
