@@ -91,6 +91,7 @@ __all__ = [
     "CounterLiveness",
     "Event",
     "EventSink",
+    "MemoryStore",
     "MetricsSink",
     "NodeSpec",
     "RallypointError",
