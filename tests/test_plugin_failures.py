@@ -23,6 +23,7 @@ from launch import (
     InstallPlugin,
     clean_environment,
     exit_codes,
+    kill,
     rallypoint,
     wait_for_port,
 )
@@ -225,8 +226,12 @@ def run_two_nodes(
     port = free_port()
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
     agents = [start_node(port, logs[0], envs[0], *args)]
-    wait_for_port(port, timeout=30)
-    agents.append(start_node(port, logs[1], envs[1], *args))
+    try:
+        wait_for_port(port, timeout=30)
+        agents.append(start_node(port, logs[1], envs[1], *args))
+    except BaseException:
+        kill(*agents)  # the first node never waits for a second that did not start
+        raise
     return exit_codes(agents, timeout=60), logs
 
 

@@ -289,7 +289,7 @@ def _choose_sinks(
     parse_options(conf, declared, "--metrics-conf", "the chosen --metrics sinks")  # every key
     chosen = []
     for sink in sinks.values():
-        own = {option.name for option in sink.options}
+        own = {option.name: option for option in sink.options}
         pairs = [pair for pair in split_list(conf) if pair.partition("=")[0].strip() in own]
         options = parse_options(",".join(pairs), sink.options, "--metrics-conf", sink.name)
         if port is not None and "port" in own:  # the flag wins over --metrics-conf port=
@@ -302,13 +302,12 @@ def _choose_sinks(
     return tuple(chosen)
 
 
-def _validate(item: Any, options: Mapping[str, Any], flag: str) -> None:
+def _validate(item: R, options: Mapping[str, Any], flag: str) -> None:
     """A registration's own check across its options (``validate``), as a usage error."""
-    validate = getattr(item, "validate", None)
-    if validate is None:
+    if item.validate is None:
         return
     try:
-        validate(options)
+        item.validate(options)
     except ValueError as error:
         raise UsageError(f"{flag} {error}") from None
 

@@ -95,7 +95,6 @@ class Agent:
         hostname = socket.gethostname()
         self.node_id = f"{hostname}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
         self.run = RunInfo(config.rdzv_id, self.node_id, hostname, config.role)
-        self.policy = config.restart.item
         self.handler: RendezvousHandler = create_handler(
             config,
             NodeSpec(
@@ -349,9 +348,10 @@ class Agent:
         asks for. The agent's exit code and reason when it refuses (or a signal comes
         during the delay), else None: restart."""
         config = self.config
-        who = describe(RESTART_POLICIES, self.policy)
+        policy = config.restart.item
+        who = describe(RESTART_POLICIES, policy)
         try:
-            decision = self.policy.decide(
+            decision = policy.decide(
                 RestartRequest(
                     restarts_done=restarts.count,
                     max_restarts=config.max_restarts,
@@ -370,7 +370,7 @@ class Agent:
         if not decision.restart:
             return self._give_up(failure, decision.reason)
         said = f": {decision.reason}" if decision.reason else ""
-        restarts.reason = f"restart policy {self.policy.name!r}{said}"
+        restarts.reason = f"restart policy {policy.name!r}{said}"
         logger.info(
             "%s; restart %d of %d%s (%s)",
             _root(failure.report),
@@ -451,7 +451,9 @@ class Agent:
         if self.watchdog is not None:
             self.watchdog.watch(time.monotonic())
         self._oom_kills = cgroup_kills()  # a kill counted after this is one of ours
-        return WorkerGroup.start(self._keeper(), worker_command(config), specs, logs, config.role)
+        return WorkerGroup.start(
+            self._keeper(), worker_command(config), specs, logs.filtered, config.role
+        )
 
     def _attempt_logs(self, attempt_dir: Path, environments: list[dict[str, str]]) -> AttemptLogs:
         """Where this attempt's output goes: rallypoint's layout, or --logs-specs's."""

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import IO
 
 from rallypoint.agent.keeper import Keeper, KeeperGone, KeptProcess
-from rallypoint.agent.logs import STDERR, STDOUT, AttemptLogs, WorkerLogs
+from rallypoint.agent.logs import STDERR, STDOUT, WorkerLogs
 from rallypoint.errors import RallypointError
 
 logger = logging.getLogger("rallypoint.agent")
@@ -269,16 +269,15 @@ class WorkerGroup:
         keeper: Keeper,
         command: Sequence[str],
         specs: Sequence[WorkerSpec],
-        filtered: AttemptLogs,
+        filtered: Mapping[int, tuple[Path, tuple[str, ...]]],
         role: str,
     ) -> WorkerGroup:
-        """Start one process per spec; ``filtered``: the attempt's files of duplicated
-        lines (``--duplicate-*-filters``)."""
+        """Start one process per spec; ``filtered``: the attempt's file of duplicated lines
+        and the strings they contain, by stream (``AttemptLogs.filtered``)."""
         group = cls([], keeper)
         try:
             group._filtered = {
-                stream: _Filtered(path, needles)
-                for stream, (path, needles) in filtered.filtered.items()
+                stream: _Filtered(path, needles) for stream, (path, needles) in filtered.items()
             }
             for spec in specs:
                 Path(spec.error_file).parent.mkdir(parents=True, exist_ok=True)
