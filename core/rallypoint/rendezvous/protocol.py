@@ -503,9 +503,10 @@ class StoreRendezvous:
             nodes = self._joined(round_, count)
         else:
             nodes = self._wait_for_survivors(round_, previous)
-        if self._ended(round_):
+        if self._ended(round_) or not nodes:
             # While this node could not reach the store, the others took it for dead and
-            # moved on: closing this round would start workers nobody joins.
+            # moved on (the round ended, or every join record of it expired): closing this
+            # round would start workers nobody joins.
             raise _LeaderLost()
         try:
             record = self._form(round_, nodes)
