@@ -177,6 +177,14 @@ def register(app: typer.Typer, pm: PluginManager) -> None:
             False,
             "LOCAL_RANK=0 in every worker, CUDA_VISIBLE_DEVICES its own device.",
         ),
+        warm_start: str = flag(
+            "warm-start",
+            "on",
+            "on: fork workers from an interpreter that imported torch already; off: a fresh one each.",
+        ),
+        preload: str = flag(
+            "preload", "", "Modules to import before forking workers, besides torch (a,b)."
+        ),
     ) -> None:
         """Launch SCRIPT on this node's workers, like torchrun, and keep it running."""
         flags = dict(ctx.params)

@@ -111,6 +111,10 @@ class LaunchConfig:
     duplicate_stderr_filters: tuple[str, ...] = ()
     numa_binding: str | None = None  # node, socket, exclusive or core-complex
     virtual_local_rank: bool = False
+    #: Workers forked from an interpreter that imported torch and ``preload`` already
+    #: (``rallypoint.agent.warm``); ``--warm-start off``: each starts a fresh one.
+    warm_start: bool = True
+    preload: tuple[str, ...] = ()
     #: What the agent tells the user once at start (a torch key with no effect here).
     notes: tuple[str, ...] = ()
 
@@ -178,6 +182,7 @@ class LaunchConfig:
         )
         values["training_script_args"] = tuple(values.get("training_script_args") or ())
         _parse_torchrun_extras(values)
+        _parse_warm_start(values)
         if values.get("shutdown_timeout") is None:
             values["shutdown_timeout"] = float(
                 os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT)
@@ -525,6 +530,26 @@ def _parse_torchrun_extras(values: dict[str, Any]) -> None:
                 f"CUDA_VISIBLE_DEVICES={visible!r} names {len(devices)} devices; each worker "
                 "sees the device of its local rank."
             )
+
+
+_SWITCH = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}
+
+
+def _parse_warm_start(values: dict[str, Any]) -> None:
+    """``--warm-start on|off`` and ``--preload MODULE[,MODULE]``."""
+    raw = values.get("warm_start", True)
+    if not isinstance(raw, bool):
+        text = str(raw).strip().lower()
+        if text not in _SWITCH:
+            raise UsageError(f"--warm-start {raw!r}: choose on or off.")
+        values["warm_start"] = _SWITCH[text]
+    preload = values.get("preload") or ()
+    if not isinstance(preload, tuple):
+        preload = tuple(name.strip() for name in str(preload).split(",") if name.strip())
+    for name in preload:
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise UsageError(f"--preload {name!r}: expected a module name such as numpy.")
+    values["preload"] = preload
 
 
 # --- cross-field checks ----------------------------------------------------------------------

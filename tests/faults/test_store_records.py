@@ -413,6 +413,8 @@ SOURCES = [
 ]
 #: Modules that turn bytes into objects by running code.
 UNSAFE_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "marshal", "shelve"}
+#: The one exec: the preloaded interpreter runs the worker's own script, as `python SCRIPT`.
+RUNS_THE_SCRIPT = "core/rallypoint/agent/zygote.py"
 
 
 def test_no_source_can_unpickle() -> None:
@@ -437,7 +439,7 @@ def test_no_source_can_unpickle() -> None:
             if not isinstance(node, ast.Call):
                 continue
             name = ast.unparse(node.func)
-            if name in ("eval", "exec"):
+            if name == "eval" or (name == "exec" and str(where) != RUNS_THE_SCRIPT):
                 found.append(f"{where}:{node.lineno}: calls {name}")
             if name.endswith("yaml.load") or name.endswith("yaml.unsafe_load"):
                 found.append(f"{where}:{node.lineno}: calls {name}")

@@ -35,7 +35,7 @@ from typing import Any
 
 from rallypoint import events
 from rallypoint.agent import numa
-from rallypoint.agent.environment import worker_command, worker_environment
+from rallypoint.agent.environment import worker_environment
 from rallypoint.agent.eventbus import EventBus, NamedSink, TorchConsoleEvents
 from rallypoint.agent.failures import (
     FailureReport,
@@ -49,6 +49,7 @@ from rallypoint.agent.logs import STDERR, STDOUT, AttemptLogs, TorchLogsSpecs, d
 from rallypoint.agent.oom import cgroup_kills, oom_killed
 from rallypoint.agent.rendezvous import create_handler
 from rallypoint.agent.restarts import FAILURE, MEMBERSHIP, Failure, Restarts, lost_nodes
+from rallypoint.agent.warm import WarmStart
 from rallypoint.agent.watchdog import Watchdog
 from rallypoint.agent.workers import Worker, WorkerGroup, WorkerSpec
 from rallypoint.config import LaunchConfig
@@ -115,6 +116,7 @@ class Agent:
             heartbeat=None if self.watchdog is None else self.watchdog.beat,
         )
         self._kept: Keeper | None = None  # started with the first rendezvous: see _keeper
+        self.warm = WarmStart(config, lambda: self.signalled is not None)
         self._oom_kills: int | None = None  # the memory cgroup's OOM kills at the last start
         self._logs_specs: TorchLogsSpecs | None = None  # --logs-specs's class, made once
         # torchrun's parent error file: the root cause of a job that fails goes there too.
@@ -165,9 +167,11 @@ class Agent:
             raise
         finally:
             if self._kept is not None:
-                self._kept.close()  # whatever the workers left running goes with it
+                self._kept.release()  # whatever the workers left running goes with it
             self.bus.emit(events.AGENT_STOPPING, exit_code=exit_code, reason=reason)
             self.handler.close()
+            if self._kept is not None:
+                self._kept.close()  # gone by now, or nearly: it went while the handler closed
             self._worker_events.close()
             self.bus.close()
             if self.metrics_dir is not None:
@@ -193,7 +197,7 @@ class Agent:
         )
         restarts = Restarts()
         previous: RoundInfo | None = None
-        self._keeper()  # its interpreter starts while the rendezvous runs
+        self._keeper()  # it and the preloaded interpreter start while the rendezvous runs
         while True:
             assignment = self._rendezvous(restarts, previous)
             if assignment is None:
@@ -451,9 +455,10 @@ class Agent:
         if self.watchdog is not None:
             self.watchdog.watch(time.monotonic())
         self._oom_kills = cgroup_kills()  # a kill counted after this is one of ours
-        return WorkerGroup.start(
-            self._keeper(), worker_command(config), specs, logs.filtered, config.role
-        )
+        keeper = self._keeper()
+        group = WorkerGroup.start(keeper, self.warm.spawn, specs, logs.filtered, config.role)
+        self.warm.started(keeper)
+        return group
 
     def _attempt_logs(self, attempt_dir: Path, environments: list[dict[str, str]]) -> AttemptLogs:
         """Where this attempt's output goes: rallypoint's layout, or --logs-specs's."""
@@ -487,6 +492,7 @@ class Agent:
             self._kept = None
         if self._kept is None:
             self._kept = Keeper()
+            self.warm.prepare(self._kept)
         return self._kept
 
     def _monitor(self, group: WorkerGroup) -> Outcome:

@@ -9,11 +9,60 @@ new for every attempt, and restarted workers never see keys of an earlier attemp
 from __future__ import annotations
 
 import os
+import sys
+import zipfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from rallypoint.config import LaunchConfig
 from rallypoint.interfaces import Assignment
 from rallypoint.worker import env
+
+#: What ``worker_environment`` sets for each worker on top of ``job_environment``: read
+#: when a script runs (by ``init_process_group``, rallypoint's worker modules, CUDA's
+#: initialisation), never by an import, so a preloaded interpreter need not have them.
+PER_WORKER = frozenset(
+    {
+        env.RANK,
+        env.LOCAL_RANK,
+        env.WORLD_SIZE,
+        env.LOCAL_WORLD_SIZE,
+        env.GROUP_RANK,
+        env.GROUP_WORLD_SIZE,
+        env.ROLE_RANK,
+        env.ROLE_NAME,
+        env.ROLE_WORLD_SIZE,
+        env.MASTER_ADDR,
+        env.MASTER_PORT,
+        env.RESTART_COUNT,
+        env.MAX_RESTARTS,
+        env.TORCH_RUN_ID,
+        env.USE_AGENT_STORE,
+        env.ERROR_FILE,
+        env.SIGNALS_TO_HANDLE,
+        env.RUN_ID,
+        env.NODE_ID,
+        env.RENDEZVOUS_ROUND,
+        env.NODE_LOCAL_RANK,
+        env.CUDA_VISIBLE_DEVICES,  # --virtual-local-rank
+        env.CHECKPOINT_URL,
+        env.EVENTS_SOCKET,
+        env.METRICS_DIR,
+        env.PROGRESS_TIMEOUT,
+    }
+)
+
+
+def job_environment(config: LaunchConfig, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What every worker of this node shares: the agent's environment (or ``base``) with
+    torchrun's defaults. The preloaded interpreter imports with exactly this."""
+    environ = dict(os.environ if base is None else base)
+    environ.setdefault(env.NCCL_ASYNC_ERROR_HANDLING, "1")
+    if config.nproc_per_node > 1:
+        # torchrun's choice: many workers each using every core oversubscribe the host.
+        environ.setdefault(env.OMP_NUM_THREADS, "1")
+    environ.pop(env.PROGRESS_TIMEOUT, None)  # inherited: not this agent's watchdog
+    return environ
 
 
 def worker_environment(
@@ -29,7 +78,7 @@ def worker_environment(
     base: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The full environment of the worker ``local_rank`` for this round and attempt."""
-    environ = dict(os.environ if base is None else base)
+    environ = job_environment(config, base)
     info = assignment.info
     rank = assignment.rank_offset + local_rank
     environ.update(
@@ -51,7 +100,6 @@ def worker_environment(
             env.USE_AGENT_STORE: "False",
             env.ERROR_FILE: error_file,
             env.SIGNALS_TO_HANDLE: ",".join(config.signals_to_handle),
-            env.NCCL_ASYNC_ERROR_HANDLING: environ.get(env.NCCL_ASYNC_ERROR_HANDLING, "1"),
             env.RUN_ID: config.rdzv_id,
             env.NODE_ID: node_id,
             env.RENDEZVOUS_ROUND: str(info.round),
@@ -60,16 +108,12 @@ def worker_environment(
     )
     if config.virtual_local_rank:
         environ.update(_own_device(local_rank))
-    if config.nproc_per_node > 1 and env.OMP_NUM_THREADS not in environ:
-        # torchrun's choice: many workers each using every core oversubscribe the host.
-        environ[env.OMP_NUM_THREADS] = "1"
     optional = {
         env.CHECKPOINT_URL: config.checkpoint_dir,
         env.EVENTS_SOCKET: events_socket,
         env.METRICS_DIR: metrics_dir,
         env.PROGRESS_TIMEOUT: f"{config.watchdog_timeout:g}" if config.watchdog_timeout else None,
     }
-    environ.pop(env.PROGRESS_TIMEOUT, None)  # inherited: not this agent's watchdog
     environ.update({name: value for name, value in optional.items() if value})
     return environ
 
@@ -82,19 +126,52 @@ def _own_device(local_rank: int) -> dict[str, str]:
     return {env.LOCAL_RANK: "0", env.CUDA_VISIBLE_DEVICES: device}
 
 
-def worker_command(config: LaunchConfig) -> list[str]:
-    """The command line every worker runs, as torchrun builds it."""
-    import sys
+#: What ``--run-path`` runs: torchrun's ``runpy.run_path`` of the script, under ``-c``.
+_RUN_PATH = (
+    "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
 
-    script, args = config.training_script, list(config.training_script_args)
-    if config.run_path:
-        runner = (
-            "import runpy, sys; sys.argv = sys.argv[1:]; "
-            "runpy.run_path(sys.argv[0], run_name='__main__')"
-        )
-        return [sys.executable, "-u", "-c", runner, script, *args]
-    if config.no_python:
-        return [script, *args]
-    if config.module:
-        return [sys.executable, "-u", "-m", script, *args]
-    return [sys.executable, "-u", script, *args]
+
+@dataclass(frozen=True)
+class WorkerCommand:
+    """What every worker runs: a Python ``script``, a ``module`` (``-m``), a script run by
+    ``runpy`` (``run_path``: ``--run-path``) or a ``program`` (``--no-python``)."""
+
+    kind: str
+    target: str
+    args: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, config: LaunchConfig) -> WorkerCommand:
+        kind = "script"
+        if config.run_path:
+            kind = "run_path"
+        elif config.no_python:
+            kind = "program"
+        elif config.module:
+            kind = "module"
+        return cls(kind, config.training_script, tuple(config.training_script_args))
+
+    def argv(self) -> list[str]:
+        """The command line of a worker started cold, as torchrun builds it."""
+        args = [self.target, *self.args]
+        python = [sys.executable, "-u"]
+        if self.kind == "run_path":
+            return [*python, "-c", _RUN_PATH, *args]
+        if self.kind == "program":
+            return args
+        if self.kind == "module":
+            return [*python, "-m", *args]
+        return [*python, *args]
+
+    def path0(self) -> str:
+        """``sys.path[0]`` in that interpreter: the script's folder (symbolic links
+        resolved), or the script itself when it is a folder or zip file; the working
+        directory for ``-m``; empty (the working directory) for ``-c``."""
+        if self.kind == "module":
+            return os.getcwd()
+        if self.kind != "script":
+            return ""
+        if os.path.isdir(self.target) or zipfile.is_zipfile(self.target):
+            return os.path.abspath(self.target)
+        return os.path.dirname(os.path.realpath(self.target))

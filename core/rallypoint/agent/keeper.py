@@ -21,6 +21,12 @@ makes itself a subreaper and outlives it. When the agent and the keeper are SIGK
 the same moment, nothing is left to clean up: a container or a cgroup of the job's own (as
 Kubernetes and Slurm give each job) is the last line there.
 
+Warm start: asked to (``prepare``), the keeper also starts the preloaded interpreter
+(``rallypoint.agent.zygote``), and hands it the ``spawn`` requests marked ``warm``: it forks
+the worker, and its answer and its workers' exits come back through the keeper. Such a
+worker is the zygote's child, not the keeper's, but it dies with the zygote, which dies
+with the keeper, and whatever it leaves behind comes to the keeper all the same.
+
 The wire format, both ways, is a 4-byte big-endian length and a JSON object; a ``spawn``
 request carries the worker's stdout and stderr as file descriptors (``SCM_RIGHTS``).
 """
@@ -41,6 +47,12 @@ import threading
 import time
 from collections.abc import Collection, Sequence
 from typing import Any
+
+try:
+    from rallypoint.agent import zygote
+except ImportError:  # the keeper process (python -I -S keeper.py): its sibling, by path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import zygote  # type: ignore[import-not-found,no-redef]
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -150,14 +162,20 @@ def kill_children(spare: Sequence[int] = ()) -> int:
 
 
 class _Keeper:
-    """The keeper's state: its socket to the agent and the workers it started."""
+    """The keeper's state: its socket to the agent, the workers it started, and the
+    preloaded interpreter that forks warm ones (``zygote``), with the workers it forked."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.workers: set[int] = set()
+        self.zygote: int | None = None  # the preloaded interpreter's pid, until reaped
+        self.zygote_sock: socket.socket | None = None  # until it closes
+        self.warm: set[int] = set()  # workers the zygote forked, not yet reported ended
+        self.forwarded: set[int] = set()  # ids of the spawn requests it has not answered
         self.wake_read, self.wake_write = os.pipe()
         os.set_blocking(self.wake_read, False)
         os.set_blocking(self.wake_write, False)
+        self.poller = select.poll()
 
     def serve(self) -> None:
         signal.signal(signal.SIGCHLD, lambda signum, frame: None)
@@ -165,16 +183,17 @@ class _Keeper:
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
             # Told to stop by someone else than the agent: the same as the agent gone.
             signal.signal(sig, lambda signum, frame: self.finish())
-        poller = select.poll()
-        poller.register(self.sock, select.POLLIN)
-        poller.register(self.wake_read, select.POLLIN)
+        self.poller.register(self.sock, select.POLLIN)
+        self.poller.register(self.wake_read, select.POLLIN)
         while True:
-            ready = {fd for fd, _ in poller.poll()}  # retried on EINTR (PEP 475)
+            ready = {fd for fd, _ in self.poller.poll()}  # retried on EINTR (PEP 475)
             if self.wake_read in ready:
                 with contextlib.suppress(BlockingIOError):
                     while os.read(self.wake_read, 512):
                         pass
                 self.reap()
+            if self.zygote_sock is not None and self.zygote_sock.fileno() in ready:
+                self.relay(self.zygote_sock)
             if self.sock.fileno() in ready:
                 try:
                     received = receive(self.sock)
@@ -186,11 +205,20 @@ class _Keeper:
 
     def handle(self, message: dict[str, Any], fds: list[int]) -> None:
         op = message.get("op")
+        reply: dict[str, Any] | None
         try:
-            if op == "spawn":
+            if op == "spawn" and message.get("warm"):
+                reply = self.forward(message, fds)  # the zygote answers
+            elif op == "spawn":
                 reply = self.spawn(message, fds)
+            elif op == "prepare":
+                reply = self.prepare(message)
+            elif op == "discard":
+                self.stop_zygote()
+                reply = {"op": "discarded"}
             elif op == "sweep":
-                reply = {"op": "swept", "killed": kill_children(spare=tuple(self.workers))}
+                spare = [*self.workers, *([self.zygote] if self.zygote else [])]
+                reply = {"op": "swept", "killed": kill_children(spare=spare)}
                 self.reap()
             else:
                 reply = {"op": "error", "message": f"unknown request {op!r}"}
@@ -199,56 +227,92 @@ class _Keeper:
         finally:
             for fd in fds:
                 os.close(fd)
-        reply["id"] = message.get("id")
-        send(self.sock, reply)
+        if reply is not None:
+            reply["id"] = message.get("id")
+            send(self.sock, reply)
 
     def spawn(self, message: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         """Fork and exec one worker: a session of its own, SIGKILLed if the keeper dies,
         its stdout and stderr the descriptors given, stdin the agent's."""
-        argv: list[str] = message["argv"]
-        env: dict[str, str] = message["env"]
-        cwd: str = message["cwd"]
-        cpus: list[int] | None = message.get("cpus")
-        stdout, stderr = fds
-        errors_read, errors_write = os.pipe()  # close-on-exec: EOF once exec succeeded
-        keeper = os.getpid()
-        pid = os.fork()
-        if pid == 0:  # the worker, until exec
-            try:
-                for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-                    signal.signal(sig, signal.SIG_DFL)
-                signal.set_wakeup_fd(-1)
-                os.setsid()
-                _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-                if os.getppid() != keeper:  # the keeper died before prctl took effect
-                    os._exit(1)
-                os.dup2(stdout, 1)
-                os.dup2(stderr, 2)
-                os.closerange(3, errors_write)
-                os.closerange(errors_write + 1, 1 << 20)
-                os.chdir(cwd)
-                if cpus is not None:  # --numa-binding; kept across exec, by every thread
-                    os.sched_setaffinity(0, cpus)
-                os.execvpe(argv[0], argv, env)
-            except OSError as error:
-                os.write(errors_write, f"{error.errno}:{error.strerror}".encode())
-            finally:
-                os._exit(127)
-        os.close(errors_write)
-        failure = b""
-        while chunk := os.read(errors_read, 4096):
-            failure += chunk
-        os.close(errors_read)
-        if failure:
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, 0)
-            code, _, reason = failure.decode(errors="replace").partition(":")
+        pid = _fork_exec(message, fds[0], fds[1])
+        if isinstance(pid, str):
+            code, _, reason = pid.partition(":")
             return {"op": "failed", "errno": int(code or 0), "message": reason}
         self.workers.add(pid)
         return {"op": "spawned", "pid": pid}
 
+    def prepare(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Start the preloaded interpreter (``rallypoint.agent.zygote``), on the keeper's own
+        stdout and stderr, its socket on the descriptor it expects; it says when ready."""
+        self.stop_zygote()
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            pid = _fork_exec(message, 1, 2, passed=(theirs.fileno(), message["socket_fd"]))
+        finally:
+            theirs.close()
+        if isinstance(pid, str):
+            mine.close()
+            return {"op": "unready", "message": f"cannot start it: {pid.partition(':')[2]}"}
+        self.zygote, self.zygote_sock = pid, mine
+        self.poller.register(mine, select.POLLIN)
+        return {"op": "preparing", "pid": pid}
+
+    def forward(self, message: dict[str, Any], fds: list[int]) -> dict[str, Any] | None:
+        """A warm worker: the zygote forks it and answers the agent (``relay``)."""
+        gone = {"op": "refused", "message": "the preloaded interpreter died", "gone": True}
+        if self.zygote_sock is None:
+            return gone
+        try:
+            zygote.send(self.zygote_sock, message, fds)
+        except OSError:
+            return gone
+        self.forwarded.add(message["id"])
+        return None
+
+    def relay(self, sock: socket.socket) -> None:
+        """Pass what the zygote says on to the agent; keep count of its workers."""
+        try:
+            received = zygote.receive(sock)
+        except (OSError, ValueError):
+            received = None
+        if received is None:  # it is exiting: reap() tells the agent how, once it has
+            self.close_zygote_socket()
+            return
+        message, fds = received
+        for fd in fds:
+            os.close(fd)
+        self.forwarded.discard(message.get("id"))
+        if message.get("op") == "spawned":
+            self.warm.add(int(message["pid"]))
+        elif message.get("op") == "exited":
+            if int(message["pid"]) not in self.warm:
+                return  # reported already, by reap() after the zygote died
+            self.warm.discard(int(message["pid"]))
+        send(self.sock, message)
+
+    def stop_zygote(self) -> None:
+        """Kill the zygote (its workers die with it: ``PR_SET_PDEATHSIG``); reaped later."""
+        self.close_zygote_socket()
+        if self.zygote is not None:
+            with contextlib.suppress(OSError):
+                os.kill(self.zygote, signal.SIGKILL)
+            self.zygote = None
+
+    def close_zygote_socket(self) -> None:
+        """The zygote is gone or going: what it was asked and did not answer is refused."""
+        if self.zygote_sock is not None:
+            self.poller.unregister(self.zygote_sock)
+            self.zygote_sock.close()
+            self.zygote_sock = None
+        for ident in sorted(self.forwarded):
+            refused = {"op": "refused", "message": "the preloaded interpreter died", "gone": True}
+            refused["id"] = ident
+            send(self.sock, refused)
+        self.forwarded.clear()
+
     def reap(self) -> None:
-        """Collect every child that ended; tell the agent about its workers."""
+        """Collect every child that ended; tell the agent about its workers, and about the
+        zygote (its workers, dying with it, come to the keeper: a subreaper)."""
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -256,22 +320,77 @@ class _Keeper:
                 return
             if pid == 0:
                 return
-            if pid in self.workers:
+            code = os.waitstatus_to_exitcode(status)
+            if pid == self.zygote:
+                # What it said before it ended goes first (why it could not preload).
+                while (
+                    self.zygote_sock is not None and select.select([self.zygote_sock], [], [], 0)[0]
+                ):
+                    self.relay(self.zygote_sock)
+                self.stop_zygote()
+                send(self.sock, {"op": "zygote-exited", "returncode": code})
+            elif pid in self.workers or pid in self.warm:
                 self.workers.discard(pid)
+                self.warm.discard(pid)
                 send(
                     self.sock,
-                    {
-                        "op": "exited",
-                        "pid": pid,
-                        "returncode": os.waitstatus_to_exitcode(status),
-                        "at": time.monotonic(),
-                    },
+                    {"op": "exited", "pid": pid, "returncode": code, "at": time.monotonic()},
                 )
 
     def finish(self) -> None:
         """The agent is gone: nothing it started may stay."""
         kill_children()
         os._exit(0)
+
+
+def _fork_exec(
+    message: dict[str, Any], stdout: int, stderr: int, passed: tuple[int, int] | None = None
+) -> int | str:
+    """Fork and exec ``message``'s argv in a session of its own, SIGKILLed if the keeper
+    dies: its pid, or ``"errno:reason"`` when it could not be executed. ``passed``: a
+    descriptor to keep open in it, and the number it gets there."""
+    argv: list[str] = message["argv"]
+    env: dict[str, str] = message["env"]
+    cwd: str = message["cwd"]
+    cpus: list[int] | None = message.get("cpus")
+    errors_read, errors_write = os.pipe()  # close-on-exec: EOF once exec succeeded
+    keeper = os.getpid()
+    pid = os.fork()
+    if pid == 0:  # the child, until exec
+        try:
+            for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+                signal.signal(sig, signal.SIG_DFL)
+            signal.set_wakeup_fd(-1)
+            os.setsid()
+            _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            if os.getppid() != keeper:  # the keeper died before prctl took effect
+                os._exit(1)
+            os.dup2(stdout, 1)
+            os.dup2(stderr, 2)
+            keep = [errors_write]
+            if passed is not None:
+                os.dup2(passed[0], passed[1])  # inheritable
+                keep.append(passed[1])
+            for low, high in zip([2, *sorted(keep)], [*sorted(keep), 1 << 20], strict=True):
+                os.closerange(low + 1, high)
+            os.chdir(cwd)
+            if cpus is not None:  # --numa-binding; kept across exec, by every thread
+                os.sched_setaffinity(0, cpus)
+            os.execvpe(argv[0], argv, env)
+        except OSError as error:
+            os.write(errors_write, f"{error.errno}:{error.strerror}".encode())
+        finally:
+            os._exit(127)
+    os.close(errors_write)
+    failure = b""
+    while chunk := os.read(errors_read, 4096):
+        failure += chunk
+    os.close(errors_read)
+    if failure:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        return failure.decode(errors="replace")
+    return pid
 
 
 def main(argv: Sequence[str]) -> None:
@@ -290,6 +409,15 @@ class KeeperGone(Exception):
     """The keeper died: the workers it held died with it (their ``PR_SET_PDEATHSIG``)."""
 
 
+class WarmRefused(Exception):
+    """The preloaded interpreter did not fork a worker; the message says why, ``gone``
+    whether it is because it died."""
+
+    def __init__(self, message: str, gone: bool = False) -> None:
+        super().__init__(message)
+        self.gone = gone
+
+
 class Keeper:
     """The agent's handle on its keeper: start workers, learn of their exits."""
 
@@ -304,6 +432,10 @@ class Keeper:
         )
         theirs.close()
         self.exits: dict[int, tuple[int, float]] = {}  # pid -> (returncode, when)
+        #: The preloaded interpreter: None (not asked for), "preparing", "ready", "failed"
+        #: or "died"; ``warm_reason`` says why in the last two cases.
+        self.warm: str | None = None
+        self.warm_reason = ""
         self._replies: dict[int, dict[str, Any]] = {}
         self._next_id = 0
         self._lock = threading.Lock()
@@ -333,6 +465,31 @@ class Keeper:
             raise OSError(reply["errno"], reply["message"], argv[0])
         return int(reply["pid"])
 
+    def prepare(self, argv: Sequence[str], env: dict[str, str]) -> None:
+        """Start the preloaded interpreter; ``warm`` says when it is ready (``pump``)."""
+        request: dict[str, Any] = {"op": "prepare", "argv": list(argv), "env": env}
+        request.update(cwd=os.getcwd(), socket_fd=zygote.SOCKET_FD)
+        reply = self._request(request)
+        self.warm = "preparing" if reply["op"] == "preparing" else "failed"
+        self.warm_reason = "" if reply["op"] == "preparing" else str(reply["message"])
+
+    def discard_warm(self, reason: str) -> None:
+        """Stop the preloaded interpreter, for ``reason``; workers start cold from now on."""
+        self._request({"op": "discard"})
+        self.warm, self.warm_reason = "failed", reason
+
+    def spawn_warm(
+        self, worker: dict[str, Any], stdout: int, stderr: int, cpus: Collection[int] | None
+    ) -> int:
+        """Have the preloaded interpreter fork a worker (``rallypoint.agent.zygote`` says
+        what ``worker`` holds); its pid. ``WarmRefused`` when it did not."""
+        request: dict[str, Any] = {"op": "spawn", "warm": True, **worker, "cwd": os.getcwd()}
+        request["cpus"] = None if cpus is None else sorted(cpus)
+        reply = self._request(request, (stdout, stderr))
+        if reply["op"] == "refused":
+            raise WarmRefused(reply["message"], bool(reply.get("gone")))
+        return int(reply["pid"])
+
     def sweep(self) -> int:
         """Kill whatever the stopped workers left behind; how many processes that was."""
         if not self.gone:
@@ -357,10 +514,14 @@ class Keeper:
                 timeout = 0.0
                 deadline = time.monotonic()
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Stop the keeper (it kills what is left below it) and wait for it."""
+    def release(self) -> None:
+        """Tell the keeper to stop: it kills what is left below it (``close`` waits)."""
         with contextlib.suppress(OSError):
             self.sock.close()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the keeper (it kills what is left below it) and wait for it."""
+        self.release()
         try:
             code = self.process.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -400,10 +561,19 @@ class Keeper:
         message, fds = received
         for fd in fds:
             os.close(fd)
-        if message["op"] == "exited":
-            self.exits[int(message["pid"])] = (int(message["returncode"]), float(message["at"]))
-        else:
+        op = message["op"]
+        if message.get("id") is not None:  # the answer to a request
             self._replies[int(message["id"])] = message
+        elif op == "exited":
+            self.exits[int(message["pid"])] = (int(message["returncode"]), float(message["at"]))
+        elif op == "ready":
+            self.warm = "ready"
+        elif op == "unready":
+            self.warm, self.warm_reason = "failed", str(message["message"])
+        elif op == "zygote-exited" and self.warm in ("ready", "preparing"):  # else said why
+            code = int(message["returncode"])
+            self.warm = "died"
+            self.warm_reason = f"the preloaded interpreter died ({_describe(code)})"
 
     def death(self) -> str:
         """What happened to the keeper, in a sentence."""

@@ -29,7 +29,7 @@ import sys
 import termios
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -63,6 +63,10 @@ class WorkerSpec:
     @property
     def error_file(self) -> str:
         return self.output.error_file
+
+
+#: Starts one worker through the keeper, writing to the two descriptors; its pid.
+Spawn = Callable[[Keeper, WorkerSpec, int, int], int]
 
 
 @dataclass
@@ -267,13 +271,14 @@ class WorkerGroup:
     def start(
         cls,
         keeper: Keeper,
-        command: Sequence[str],
+        spawn: Spawn,
         specs: Sequence[WorkerSpec],
         filtered: Mapping[int, tuple[Path, tuple[str, ...]]],
         role: str,
     ) -> WorkerGroup:
-        """Start one process per spec; ``filtered``: the attempt's file of duplicated lines
-        and the strings they contain, by stream (``AttemptLogs.filtered``)."""
+        """Start one process per spec with ``spawn`` (``WarmStart.spawn``); ``filtered``:
+        the attempt's file of duplicated lines and the strings they contain, by stream
+        (``AttemptLogs.filtered``)."""
         group = cls([], keeper)
         try:
             group._filtered = {
@@ -281,18 +286,13 @@ class WorkerGroup:
             }
             for spec in specs:
                 Path(spec.error_file).parent.mkdir(parents=True, exist_ok=True)
-                group.workers.append(group._start_one(command, spec, role))
+                group.workers.append(group._start_one(spawn, spec, role))
         except BaseException:
             group.stop(signal.SIGKILL, 0)
             raise
         return group
 
-    def _start_one(
-        self,
-        command: Sequence[str],
-        spec: WorkerSpec,
-        role: str,
-    ) -> Worker:
+    def _start_one(self, spawn: Spawn, spec: WorkerSpec, role: str) -> Worker:
         output = spec.output
         prefix = f"[{role}{spec.local_rank}]:".encode()
         streams = []
@@ -308,12 +308,10 @@ class WorkerGroup:
                 filtered = self._filtered.get(bit) if output.teed & bit else None
                 streams.append((read, write, live, shown, path, filtered))
             try:
-                pid = self.keeper.spawn(
-                    command, dict(spec.env), streams[0][1], streams[1][1], spec.cpus
-                )
+                pid = spawn(self.keeper, spec, streams[0][1], streams[1][1])
             except OSError as error:
                 raise RallypointError(
-                    f"cannot start worker {spec.local_rank}: {command[0]!r}: {error.strerror}"
+                    f"cannot start worker {spec.local_rank}: {error.filename!r}: {error.strerror}"
                 ) from None
             except KeeperGone as gone:
                 raise RallypointError(str(gone)) from None

@@ -1,0 +1,373 @@
+"""The preloaded interpreter that warm-starts a node's workers.
+
+A fresh interpreter pays for ``import torch`` (seconds) before the script's first line, and
+a restarted worker pays it again. So the keeper starts one interpreter per node while the
+rendezvous runs, with the job's environment, which imports torch and every ``--preload``
+module once and then forks each worker on request: the child shares the imported modules
+with it (copy-on-write) and becomes the worker exactly as ``python -u SCRIPT ARGS`` would.
+This interpreter never runs the job's code, so it stays fit to fork for every restart.
+
+Why a fork server of our own rather than ``multiprocessing``'s forkserver: its children are
+``multiprocessing`` processes (a pickled function to call, its own exit and signal handling,
+the server's environment), not a program run as ``__main__`` with the worker's own
+environment, ``sys.argv``, streams, session and exit status, which is what the worker
+contract (torchrun's) is.
+
+In the child, before the script runs: default signal handlers, a session of its own,
+``PR_SET_PDEATHSIG`` (it dies with this interpreter, which dies with the keeper), its
+stdout and stderr, working directory, CPUs and environment, the random state that a fresh
+interpreter would draw anew (``random`` reseeds itself after a fork; numpy's global state
+and ``multiprocessing``'s authentication key are drawn here), ``sys.argv`` and a fresh
+``__main__``. It ends as an interpreter does (``_finish``): ``sys.exit``'s status, an
+uncaught exception printed by ``sys.excepthook`` and 1, threads joined, ``atexit`` handlers
+run, output flushed; but then it exits at once, without the teardown of every module.
+
+Run as ``python -u -c BOOT PATH0 THIS_FILE PRELOADS PADDING`` (``BOOT`` below), so that
+the modules are imported with the ``sys.path[0]`` the worker will have, and with no module
+in ``sys.modules`` that the worker would not import itself: this file is stdlib-only, and
+not imported as a module of rallypoint. ``PRELOADS`` is a
+comma-separated list; ``PADDING`` (spaces) makes room in the process's argument area for
+the command line a cold worker would have, which each worker writes there, so that ``ps``
+and ``pgrep -f`` show it as they would. It talks to the keeper over the
+``SOCK_SEQPACKET`` socket on descriptor 3, one JSON object per packet (the packet is the
+frame), a worker's stdout and stderr passed with its ``spawn`` request (``SCM_RIGHTS``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import builtins
+import contextlib
+import ctypes
+import gc
+import importlib
+import io
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+import types
+from collections.abc import Sequence
+from importlib.machinery import SourceFileLoader
+from typing import Any, NoReturn
+
+#: The descriptor of the socket to the keeper, in the preloaded interpreter.
+SOCKET_FD = 3
+#: How the keeper starts this file: the worker's ``sys.path[0]`` first, then this module,
+#: loaded under a name no script imports and kept out of ``sys.modules``.
+BOOT = (
+    "import sys, importlib.util as u; sys.path[0] = sys.argv[1]; "
+    "s = u.spec_from_file_location('_rallypoint_zygote', sys.argv[2]); "
+    "m = u.module_from_spec(s); s.loader.exec_module(m); m.main(sys.argv[3].split(','))"
+)
+#: The largest request (a worker's environment is most of it).
+_PACKET = 1 << 20
+#: A module named with ``--preload`` that is not installed fails the preload; torch, which
+#: the agent preloads when the script imports it, does not: its workers fail as they would.
+IMPLICIT = "torch"
+_PR_SET_PDEATHSIG = 1
+
+
+def send(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
+    """One message as one packet of a ``SOCK_SEQPACKET`` socket."""
+    socket.send_fds(sock, [json.dumps(message).encode()], list(fds))
+
+
+def receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
+    """The next packet's message and descriptors; None when the other end closed."""
+    data, fds, _flags, _addr = socket.recv_fds(sock, _PACKET, 4)
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        return None
+    return json.loads(data), fds
+
+
+# --- the preloaded interpreter ------------------------------------------------------------
+
+
+def main(preload: Sequence[str]) -> None:
+    """Preload, say ready (or why not), then fork workers until the keeper goes away."""
+    sock = socket.socket(fileno=SOCKET_FD)
+    os.set_inheritable(sock.fileno(), False)
+    began = time.monotonic()
+    preload = [name for name in preload if name]
+    failure = _preload(preload)
+    if failure is not None:
+        send(sock, {"op": "unready", "message": failure})
+        return
+    preloaded = [name for name in preload if name in sys.modules]
+    # Out of the collector's sight: a worker's collections then write to none of these
+    # objects, whose pages stay shared with the zygote (the gc.freeze documentation).
+    gc.freeze()
+    send(sock, {"op": "ready", "preloaded": preloaded, "seconds": time.monotonic() - began})
+    child = _Server(sock).serve()
+    if child is not None:  # this process is now a worker
+        _become_worker(*child)
+
+
+def _preload(names: Sequence[str]) -> str | None:
+    """Import ``names``; one sentence when one cannot be imported."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as error:
+            if name == IMPLICIT and error.name == IMPLICIT:
+                continue
+            return f"--preload {name}: {type(error).__name__}: {error}"
+        except BaseException as error:  # SystemExit and KeyboardInterrupt too: one sentence
+            return f"--preload {name}: importing it raised {type(error).__name__}: {error}"
+    return None
+
+
+def unfit_to_fork() -> str | None:
+    """Why forking this interpreter would give a broken worker, if it would."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    if cuda is not None and cuda.is_initialized():
+        # A forked child cannot use CUDA its parent initialised.
+        return "CUDA was initialised in the preloaded interpreter (by a --preload module)"
+    if threading.active_count() > 1:
+        # Another thread may hold a lock the child would wait on for ever.
+        names = ", ".join(
+            t.name for t in threading.enumerate() if t is not threading.current_thread()
+        )
+        return f"a --preload module started Python threads ({names})"
+    return None
+
+
+class _Server:
+    """The fork loop: a ``spawn`` request forks a worker; a worker's exit is reported."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.wake_read, self.wake_write = os.pipe()
+        os.set_blocking(self.wake_write, False)
+        os.set_blocking(self.wake_read, False)
+
+    def serve(self) -> tuple[dict[str, Any], list[int]] | None:
+        """Serve until the keeper goes; in a forked child, return its request and streams."""
+        signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+        signal.set_wakeup_fd(self.wake_write, warn_on_full_buffer=False)
+        while True:
+            ready, _, _ = select.select([self.sock.fileno(), self.wake_read], [], [])
+            if self.wake_read in ready:
+                with contextlib.suppress(BlockingIOError):
+                    while os.read(self.wake_read, 512):
+                        pass
+                self.reap()
+            if self.sock.fileno() in ready:
+                try:
+                    received = receive(self.sock)
+                except (OSError, ValueError):
+                    received = None
+                if received is None:  # the keeper is gone; the workers die with us
+                    return None
+                child = self.spawn(*received)
+                if child is not None:
+                    return child
+
+    def spawn(
+        self, message: dict[str, Any], fds: list[int]
+    ) -> tuple[dict[str, Any], list[int]] | None:
+        unfit = unfit_to_fork()
+        if unfit is not None:
+            for fd in fds:
+                os.close(fd)
+            send(self.sock, {"op": "refused", "id": message.get("id"), "message": unfit})
+            return None
+        # The child closes its end once it leads a session of its own: from then on, a
+        # signal to its process group (the agent's way to stop a worker) reaches it.
+        settled_read, settled_write = os.pipe()
+        zygote = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            os.close(settled_read)
+            self.leave(zygote)
+            os.close(settled_write)
+            return message, fds
+        os.close(settled_write)
+        os.read(settled_read, 1)  # EOF: settled, or dead
+        os.close(settled_read)
+        for fd in fds:
+            os.close(fd)
+        send(self.sock, {"op": "spawned", "id": message.get("id"), "pid": pid})
+        return None
+
+    def leave(self, zygote: int) -> None:
+        """In the child: nothing of the server stays but the request being served."""
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in (self.wake_read, self.wake_write):
+            os.close(fd)
+        self.sock.close()
+        os.setsid()
+        _die_with(zygote)
+
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            code = os.waitstatus_to_exitcode(status)
+            send(
+                self.sock, {"op": "exited", "pid": pid, "returncode": code, "at": time.monotonic()}
+            )
+
+
+def _die_with(parent: int) -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # it died before prctl took effect
+        os._exit(1)
+
+
+# --- the forked child, becoming the worker --------------------------------------------------
+
+
+def _become_worker(request: dict[str, Any], fds: list[int]) -> NoReturn:
+    """Set up the worker as a fresh ``python -u`` would be, run its program, and exit."""
+    stdout, stderr = fds
+    os.dup2(stdout, 1)
+    os.dup2(stderr, 2)
+    os.close(stdout)
+    os.close(stderr)
+    os.chdir(request["cwd"])
+    if request.get("cpus") is not None:  # --numa-binding; this is the only thread
+        os.sched_setaffinity(0, request["cpus"])
+    for name in request["unset"]:  # the environment is the job's: the worker's differs
+        del os.environ[name]
+    os.environ.update(request["set"])
+    _draw_random_state()
+    show_command_line(request["argv"])
+    try:
+        _run(request["kind"], request["target"], request["args"])
+    except SystemExit as done:
+        _finish(_exit_code(done))
+    except BaseException as error:
+        error.__traceback__ = _script_frames(error.__traceback__)  # what is printed
+        sys.excepthook(type(error), error, error.__traceback__)
+        _finish(1, interrupted=isinstance(error, KeyboardInterrupt))
+    _finish(0)
+
+
+def _exit_code(done: SystemExit) -> int:
+    """The status ``sys.exit(code)`` ends an interpreter with; a message is printed, 1."""
+    if done.code is None:
+        return 0
+    if isinstance(done.code, int):
+        return done.code
+    print(done.code, file=sys.stderr)
+    return 1
+
+
+def _finish(code: int, interrupted: bool = False) -> NoReturn:
+    """End as an interpreter does: non-daemon threads joined, ``atexit`` handlers run,
+    output flushed; then exit at once. The rest of an interpreter's finalisation (every
+    module torn down, then libtorch's static destructors) takes most of a second, and a
+    failed worker's peers learn of its death only once it is over."""
+    threading._shutdown()  # type: ignore[attr-defined]  # what Py_Finalize does first
+    atexit._run_exitfuncs()
+    _flush_open_files()
+    if interrupted:  # an uncaught KeyboardInterrupt ends an interpreter by SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(code & 0xFF)
+
+
+def _flush_open_files() -> None:
+    """What a file left open would get when finalisation closes it. Objects the worker
+    made are all the collector tracks: the zygote's were frozen before the fork."""
+    for obj in gc.get_objects():
+        if isinstance(obj, io.IOBase):
+            with contextlib.suppress(Exception):
+                if not obj.closed and obj.writable():
+                    obj.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+
+
+def show_command_line(argv: Sequence[str]) -> None:
+    """Write ``argv`` over this process's argument area (what ``/proc/PID/cmdline`` shows),
+    as ``setproctitle`` does, padded with NULs; cut short if it does not fit."""
+    try:
+        with open("/proc/self/stat", "rb") as handle:
+            fields = handle.read().rpartition(b")")[2].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (man 5 proc)
+    except (OSError, IndexError, ValueError):
+        return
+    area = end - start
+    text = b"\0".join(arg.encode(errors="surrogateescape") for arg in argv)[: area - 1]
+    ctypes.memmove(start, text.ljust(area, b"\0"), area)
+
+
+def _draw_random_state() -> None:
+    """What every fresh interpreter draws for itself, and a fork would copy."""
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()
+    process = sys.modules.get("multiprocessing.process")
+    if process is not None:
+        process.current_process().authkey = os.urandom(32)
+
+
+def _run(kind: str, target: str, args: Sequence[str]) -> None:
+    """Run the worker's program as ``python -u`` runs it (``sys.path[0]`` is already set)."""
+    import runpy
+
+    if kind == "module":  # python -m TARGET: runpy sets sys.argv[0] to the module's file
+        sys.argv = ["-m", *args]
+        runpy._run_module_as_main(target)  # type: ignore[attr-defined]
+        return
+    sys.argv = [target, *args]
+    if kind == "run_path":  # torchrun's --run-path
+        runpy.run_path(target, run_name="__main__")
+    elif os.path.isdir(target) or _is_zip(target):  # python DIR: its __main__.py
+        runpy._run_module_as_main("__main__", alter_argv=False)  # type: ignore[attr-defined]
+    else:
+        _run_file(target)
+
+
+def _run_file(path: str) -> None:
+    """``python -u PATH``: the file's code in a fresh ``__main__``."""
+    main = types.ModuleType("__main__")
+    filename = os.path.abspath(path)
+    main.__dict__.update(
+        __annotations__={},  # as the interpreter's own __main__ has
+        __file__=filename,
+        __cached__=None,
+        __builtins__=builtins,
+        __loader__=SourceFileLoader("__main__", filename),
+    )
+    sys.modules["__main__"] = main
+    try:
+        with open(path, "rb") as handle:
+            source = handle.read()
+    except OSError as error:
+        print(
+            f"{sys.executable}: can't open file {filename!r}: [Errno {error.errno}] {error.strerror}",
+            file=sys.stderr,
+        )
+        raise SystemExit(2) from None
+    exec(compile(source, filename, "exec", dont_inherit=True), main.__dict__)
+
+
+def _is_zip(path: str) -> bool:
+    import zipfile
+
+    return zipfile.is_zipfile(path)
+
+
+def _script_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """The traceback from the script's first frame on, as a fresh interpreter prints it."""
+    while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, "<string>"):
+        tb = tb.tb_next
+    return tb
