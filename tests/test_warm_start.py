@@ -121,8 +121,10 @@ def test_exit_statuses_are_a_fresh_interpreters(end: str, line: str, tmp_path: P
         frames = [ln for ln in warm.stderr.splitlines() if 'File "' in ln]
         assert frames and all("zygote" not in ln and "<string>" not in ln for ln in frames)
         assert 'probe.py", line' in frames[0]
-    if end in ("exit3", "message", "raise"):  # atexit ran; an interpreter killed runs none
-        assert warm.stdout.count("atexit ran") == cold.stdout.count("atexit ran") == 2
+    if end in ("exit3", "message", "raise"):
+        # The worker that failed first ran its atexit handler before it exited; the other
+        # may be stopped (SIGTERM) before it gets there.
+        assert warm.stdout.count("atexit ran") >= 1 and cold.stdout.count("atexit ran") >= 1
 
 
 def test_multiprocessing_children_with_every_start_method() -> None:
@@ -183,20 +185,31 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+#: A line for a script: it says it is up (a file per rank beside it).
+UP = "open(os.path.join(os.path.dirname(__file__), f'{os.environ[\"RANK\"]}.up'), 'w').close()\n"
+
+
+def start_until_up(script: Path, **output: Any) -> subprocess.Popen[str]:
+    """A two-worker job of ``script`` (which runs ``UP``), once both workers are up."""
+    agent = subprocess.Popen(
+        [RALLYPOINT, "run", "--standalone", "--nproc-per-node", "2", str(script)],
+        env=clean_environment(), text=True, **output,
+    )  # fmt: skip
+    if not wait_until(lambda: len(list(script.parent.glob("*.up"))) == 2, 60):
+        agent.kill()
+        raise AssertionError("the workers did not start")
+    return agent
+
+
 def test_the_agents_sigkill_leaves_nothing_of_the_job(tmp_path: Path) -> None:
     script = tmp_path / "sleepy.py"
     script.write_text(
         "import os, subprocess, sys, time, torch\n"
         "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
-        "open(os.path.join(os.path.dirname(__file__), f'{os.environ[\"RANK\"]}.up'), 'w').close()\n"
-        "time.sleep(300)\n"
+        f"{UP}time.sleep(300)\n"
     )
-    agent = subprocess.Popen(
-        [RALLYPOINT, "run", "--standalone", "--nproc-per-node", "2", str(script)],
-        env=clean_environment(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    agent = start_until_up(script, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        assert wait_until(lambda: len(list(tmp_path.glob("*.up"))) == 2, 60)
         job = _descendants(agent.pid)
         preloaded = _zygotes(str(tmp_path))
         assert len(preloaded) == 1 and preloaded[0] in job
@@ -219,15 +232,10 @@ def test_sigterm_reaches_a_warm_workers_handler(tmp_path: Path) -> None:
         "    print(f'rank {os.environ[\"RANK\"]} got SIGTERM', flush=True)\n"
         "    sys.exit(0)\n"
         "signal.signal(signal.SIGTERM, stop)\n"
-        "open(os.path.join(os.path.dirname(__file__), f'{os.environ[\"RANK\"]}.up'), 'w').close()\n"
-        "time.sleep(120)\n"
+        f"{UP}time.sleep(120)\n"
     )
-    agent = subprocess.Popen(
-        [RALLYPOINT, "run", "--standalone", "--nproc-per-node", "2", str(script)],
-        env=clean_environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    agent = start_until_up(script, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        assert wait_until(lambda: len(list(tmp_path.glob("*.up"))) == 2, 60)
         agent.send_signal(signal.SIGTERM)
         out, err = agent.communicate(timeout=60)
     finally:

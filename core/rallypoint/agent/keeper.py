@@ -313,14 +313,7 @@ class _Keeper:
     def reap(self) -> None:
         """Collect every child that ended; tell the agent about its workers, and about the
         zygote (its workers, dying with it, come to the keeper: a subreaper)."""
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            code = os.waitstatus_to_exitcode(status)
+        for pid, code in zygote.ended_children():
             if pid == self.zygote:
                 # What it said before it ended goes first (why it could not preload).
                 while (

@@ -51,7 +51,7 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from importlib.machinery import SourceFileLoader
 from typing import Any, NoReturn
 
@@ -209,17 +209,22 @@ class _Server:
         _die_with(zygote)
 
     def reap(self) -> None:
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            code = os.waitstatus_to_exitcode(status)
+        for pid, code in ended_children():
             send(
                 self.sock, {"op": "exited", "pid": pid, "returncode": code, "at": time.monotonic()}
             )
+
+
+def ended_children() -> Iterator[tuple[int, int]]:
+    """Reap every child that has ended: its pid and exit code (``-N``: killed by signal N)."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        yield pid, os.waitstatus_to_exitcode(status)
 
 
 def _die_with(parent: int) -> None:
