@@ -1,7 +1,10 @@
 """All-reduce over gloo; rank 1 can be told to fail at a step of the first attempt.
 
 Usage: allreduce.py STEPS [--crash-at STEP] [--crash-with exception|exit|kill]
-                        [--record rallypoint|torch]
+                        [--record rallypoint|torch] [--print-steps]
+
+``--print-steps``: a line with the wall time after every step's all-reduce (the benchmarks
+measure the gap between the last step before a crash and the first after it).
 """
 
 import argparse
@@ -20,6 +23,7 @@ parser.add_argument("steps", type=int)
 parser.add_argument("--crash-at", type=int, default=-1)
 parser.add_argument("--crash-with", default="exception")
 parser.add_argument("--record", choices=["rallypoint", "torch"])
+parser.add_argument("--print-steps", action="store_true")
 args = parser.parse_args()
 
 
@@ -39,6 +43,10 @@ def main() -> None:
         total = torch.tensor([float(rank + 1)])
         dist.all_reduce(total)
         assert total.item() == world * (world + 1) / 2, total
+        if args.print_steps:
+            print(
+                f"step rank={rank} attempt={attempt} step={step} at={time.time():.6f}", flush=True
+            )
     print(f"done rank={rank} world={world} attempt={attempt}", flush=True)
     dist.destroy_process_group()
 
