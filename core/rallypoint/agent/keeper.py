@@ -54,9 +54,10 @@ except ImportError:  # the keeper process (python -I -S keeper.py): its sibling,
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import zygote  # type: ignore[import-not-found,no-redef]
 
-_PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 _HEADER = struct.Struct(">I")
+#: The answer to a warm spawn the zygote can no longer give.
+_ZYGOTE_GONE = {"op": "refused", "message": "the preloaded interpreter died", "gone": True}
 #: How long killing everything below a process may take before it gives up on stragglers
 #: (a process stuck in the kernel); SIGKILL needs milliseconds otherwise.
 _KILL_BOUND = 5.0
@@ -259,13 +260,12 @@ class _Keeper:
 
     def forward(self, message: dict[str, Any], fds: list[int]) -> dict[str, Any] | None:
         """A warm worker: the zygote forks it and answers the agent (``relay``)."""
-        gone = {"op": "refused", "message": "the preloaded interpreter died", "gone": True}
         if self.zygote_sock is None:
-            return gone
+            return dict(_ZYGOTE_GONE)
         try:
             zygote.send(self.zygote_sock, message, fds)
         except OSError:
-            return gone
+            return dict(_ZYGOTE_GONE)
         self.forwarded.add(message["id"])
         return None
 
@@ -305,9 +305,7 @@ class _Keeper:
             self.zygote_sock.close()
             self.zygote_sock = None
         for ident in sorted(self.forwarded):
-            refused = {"op": "refused", "message": "the preloaded interpreter died", "gone": True}
-            refused["id"] = ident
-            send(self.sock, refused)
+            send(self.sock, {**_ZYGOTE_GONE, "id": ident})
         self.forwarded.clear()
 
     def reap(self) -> None:
@@ -355,9 +353,7 @@ def _fork_exec(
                 signal.signal(sig, signal.SIG_DFL)
             signal.set_wakeup_fd(-1)
             os.setsid()
-            _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-            if os.getppid() != keeper:  # the keeper died before prctl took effect
-                os._exit(1)
+            zygote.die_with(keeper)
             os.dup2(stdout, 1)
             os.dup2(stderr, 2)
             keep = [errors_write]

@@ -45,27 +45,28 @@ class WarmStart:
         interrupted: Callable[[], bool] = lambda: False,
         ready_timeout: float = READY_TIMEOUT,
     ) -> None:
-        self.command = WorkerCommand.of(config)
+        self.command = command = WorkerCommand.of(config)
+        self.argv = command.argv()  # a cold worker's, and what ps shows of a warm one
         self.env = job_environment(config)
-        command = self.command
-        found: tuple[str, ...] = ()
-        if command.kind != "program":
-            found = imported(command.target, command.path0(), module=command.kind == "module")
-        self.preload = tuple(dict.fromkeys((*found, *config.preload)))
         self.interrupted = interrupted
         self.ready_timeout = ready_timeout
         self.off: str | None = None  # why no worker of this run starts warm
+        self.preload: tuple[str, ...] = ()
         if not config.warm_start:
             self.off = "warm start is off (--warm-start off)"
-        elif self.command.kind == "program":
+        elif command.kind == "program":
             self.off = "--no-python runs a program, which cannot be preloaded"
+        else:
+            self.path0 = command.path0()
+            found = imported(command.target, self.path0, module=command.kind == "module")
+            self.preload = tuple(dict.fromkeys((*found, *config.preload)))
         self._said: set[str] = set()
 
     def prepare(self, keeper: Keeper) -> None:
         """Have ``keeper`` start the preloaded interpreter (it imports in the background)."""
         if self.off is None:
-            argv = [sys.executable, "-u", "-c", zygote.BOOT, self.command.path0(), zygote.__file__]
-            shown = len("\0".join(self.command.argv())) + 1  # each worker writes it there
+            argv = [sys.executable, "-u", "-c", zygote.BOOT, self.path0, zygote.__file__]
+            shown = len("\0".join(self.argv)) + 1  # each worker writes it there
             keeper.prepare([*argv, ",".join(self.preload), " " * shown], self.env)
 
     def spawn(self, keeper: Keeper, spec: WorkerSpec, stdout: int, stderr: int) -> int:
@@ -82,7 +83,7 @@ class WarmStart:
                     keeper.warm, keeper.warm_reason = "died", str(refused)
                 level = logging.INFO if refused.gone else logging.WARNING
                 self._say(keeper.warm_reason, level)
-        return keeper.spawn(self.command.argv(), dict(spec.env), stdout, stderr, spec.cpus)
+        return keeper.spawn(self.argv, dict(spec.env), stdout, stderr, spec.cpus)
 
     def started(self, keeper: Keeper) -> None:
         """After a group started: a preloaded interpreter that died is prepared again, in
@@ -115,7 +116,7 @@ class WarmStart:
             "kind": command.kind,
             "target": command.target,
             "args": list(command.args),
-            "argv": command.argv(),  # what ps shows
+            "argv": self.argv,  # what ps shows
             "set": changed,
             "unset": unset,
         }

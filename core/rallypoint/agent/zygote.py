@@ -206,7 +206,7 @@ class _Server:
             os.close(fd)
         self.sock.close()
         os.setsid()
-        _die_with(zygote)
+        die_with(zygote)
 
     def reap(self) -> None:
         for pid, code in ended_children():
@@ -227,7 +227,9 @@ def ended_children() -> Iterator[tuple[int, int]]:
         yield pid, os.waitstatus_to_exitcode(status)
 
 
-def _die_with(parent: int) -> None:
+def die_with(parent: int) -> None:
+    """Call in a child right after fork: SIGKILL it when ``parent`` dies
+    (``PR_SET_PDEATHSIG``); exit at once if it already has."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:  # it died before prctl took effect
