@@ -413,3 +413,27 @@ def test_store_cut_off_from_one_agent_shorter_than_the_ttl(
         job.wait_step(cut + TTL + 1, world=2)
     job.finish()
     job.assert_no_restart(phase, cut)
+
+
+@pytest.mark.parametrize(
+    "backend", ["etcd", pytest.param("redis", marks=pytest.mark.soak)], indirect=True
+)
+def test_cut_off_leader_joins_the_run_started_afresh(job: Job, backend: Backend) -> None:
+    """``b`` leads round 0 of a ``1:2`` job and is cut off; ``a`` starts only once ``b``'s
+    liveness lapsed, finds no agent of the run alive, starts it afresh (the run's next
+    generation, its old keys deleted) and trains alone. Once back, ``b`` must notice that
+    its generation is gone and join the new one (a scale-up round), not wait out
+    join_timeout in the old one."""
+    job.start("b", "1:2", proxied=True)
+    job.wait_joined("b", 1)
+    assert job.proxy is not None
+    job.proxy.cut()
+    cut = time.time()
+    time.sleep(TTL + 1.5)  # b's liveness lapses
+    job.start("a", "1:2")
+    job.wait_step(cut, world=1, agent="a")
+    assert "starting it afresh" in job.logs["a"].read_text(), job.text()
+    job.proxy.restore()
+    job.wait_step(time.time(), world=2)
+    assert "joining it as a new node" in job.logs["b"].read_text(), job.text()
+    job.finish()

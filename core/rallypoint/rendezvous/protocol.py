@@ -68,6 +68,10 @@ PROGRESS_INTERVAL = 5.0
 WAKE_SLICE = 0.5
 #: The longest a node hosting the store waits, when it leaves, for the others to leave.
 LEAVE_GRACE = 5.0
+#: For how many heartbeat_timeouts after a stall a node checks whether the run was started
+#: afresh without it (``_superseded``): a newcomer that read its lapsed liveness may move
+#: the generation a little after the stall ended.
+STALL_WATCH = 3
 
 
 class RendezvousTimeout(RallypointError):
@@ -186,6 +190,7 @@ class StoreRendezvous:
         # Until then (monotonic), no node counts as dead: this node could not reach the
         # store for longer than heartbeat_timeout, so neither, maybe, could the others.
         self._grace_until = 0.0
+        self._stalled_at = -float("inf")  # when this node last came back from a stall
         self._finished: int | None = None  # the round whose exit barrier every member passed
         # As the leader of a new job's round: the round and when its last call ends.
         self._last_call: tuple[int, float] | None = None
@@ -231,7 +236,7 @@ class StoreRendezvous:
         self._joining = deadline
         if self.round is None and self._heartbeat is None:
             self.keys = settle_generation(self.store, self.keys, self._alive_key, self._nnodes)
-        elif self.round is not None:
+        elif self.round is not None and not self._follow_generation():
             self._check_failed()  # a later round: did a node fail the job meanwhile?
         self._start_heartbeats()
         # The round after this node's last (or 0): joining it also reads the job's round,
@@ -242,7 +247,10 @@ class StoreRendezvous:
                 try:
                     record = self._join(round_, deadline)
                 except _LeaderLost:
-                    round_ = max((self._last_joined or 0) + 1, self._state())
+                    if self._follow_generation():
+                        round_ = 0
+                    else:
+                        round_ = max((self._last_joined or 0) + 1, self._state())
                     continue
                 if self.node.node_id in record.node_ids:
                     return self._assignment(record)
@@ -547,8 +555,37 @@ class StoreRendezvous:
                 running = ()
 
     def _ended(self, round_: int) -> bool:
-        """Whether the job has moved past ``round_`` (one read of the state)."""
-        return self._state() > round_
+        """Whether the job has moved past ``round_`` (one read of the state), or the run
+        was started afresh without this node (one more read, after this node stalled)."""
+        return self._state() > round_ or self._superseded(self.store)
+
+    def _superseded(self, store: CoordinationStore) -> bool:
+        """Whether a node took this one's generation of the run for dead (no agent of it
+        alive) and started the next. Only a node whose liveness lapsed can be left behind
+        so, that is one that stalled: the key is read only within STALL_WATCH
+        heartbeat_timeouts of a stall."""
+        if time.monotonic() - self._stalled_at > STALL_WATCH * self.settings.heartbeat_timeout:
+            return False
+        return current_generation(store, self.keys).generation > self.keys.generation
+
+    def _follow_generation(self) -> bool:
+        """Move to the run's current generation if it left this node's behind (see
+        ``settle_generation``): this node then joins it as a new node, at round 0."""
+        if not self._superseded(self.store):
+            return False
+        current = current_generation(self.store, self.keys)
+        logger.warning(
+            "run %s was started afresh while this node could not reach the rendezvous "
+            "store: joining it as a new node",
+            self.keys.run_id,
+        )
+        left, self.keys = self.keys, current
+        # The node that moved the run on deleted the old keys; what this node wrote there
+        # since (a join, a counter read) is nobody's: delete it too.
+        self.store.delete_prefix(left.root)
+        self.round = self.record = self._last_joined = self._finished = self._last_call = None
+        self._round_ended = -1
+        return True
 
     def _alive(self, store: CoordinationStore, node_id: str) -> bool:
         """Whether ``node_id`` keeps itself alive; every node counts as alive while this one
@@ -570,6 +607,7 @@ class StoreRendezvous:
         ttl = self.settings.heartbeat_timeout
         if now - since <= ttl:
             return
+        self._stalled_at = now
         if now >= self._grace_until:
             logger.warning(
                 "this node could not reach the rendezvous store for %.1f s: no node counts "
@@ -740,6 +778,9 @@ class StoreRendezvous:
                     if kept is not None:
                         self._note_stall(kept)
                     kept = time.monotonic()
+                    round_ = self.round
+                    if round_ is not None and self._joining is None and self._superseded(store):
+                        self._round_ended = max(self._round_ended, round_)  # leave the round
                     self._check_neighbour(store)
                     next_beat = now + ttl / 3
                 joining = self._joining
