@@ -40,6 +40,14 @@ RENDEZVOUS_ROUND = "RALLYPOINT_RENDEZVOUS_ROUND"
 NODE_LOCAL_RANK = "RALLYPOINT_LOCAL_RANK"
 #: ``--checkpoint-dir``: where ``rallypoint.checkpoint`` saves.
 CHECKPOINT_URL = "RALLYPOINT_CHECKPOINT_URL"
+#: ``--checkpoint-memory``: the agent's directory in shared memory (``rallypoint.checkpoint``
+#: saves under its ``checkpoints/``), the bytes it may take, how many copies to keep.
+CHECKPOINT_MEMORY = "RALLYPOINT_MEMORY_TIER"
+CHECKPOINT_MEMORY_BYTES = "RALLYPOINT_MEMORY_TIER_BYTES"
+CHECKPOINT_MEMORY_KEEP = "RALLYPOINT_MEMORY_TIER_KEEP"
+#: The step every worker of the round resumes from, decided once for the round (the
+#: newest memory checkpoint any of its nodes holds); unset when none holds one.
+CHECKPOINT_STEP = "RALLYPOINT_CHECKPOINT_STEP"
 #: The agent's datagram socket for worker events (``rallypoint.worker.channel``).
 EVENTS_SOCKET = "RALLYPOINT_EVENTS_SOCKET"
 #: Where ``rallypoint.metrics`` records, when a chosen sink exports worker metrics.
