@@ -146,6 +146,20 @@ def register(app: typer.Typer, pm: PluginManager) -> None:
         checkpoint_dir: str | None = flag(
             "checkpoint-dir", None, "Where workers save checkpoints: a path or URL."
         ),
+        checkpoint_memory: str | None = flag(
+            "checkpoint-memory",
+            None,
+            "Save checkpoints to this node's shared memory, at most SIZE (4GB); the agent "
+            "copies them to --checkpoint-dir.",
+        ),
+        checkpoint_memory_keep: str | None = flag(
+            "checkpoint-memory-keep", None, "Memory checkpoints kept per node (default 1)."
+        ),
+        checkpoint_persist_every: str | None = flag(
+            "checkpoint-persist-every",
+            None,
+            "Copy every Nth memory checkpoint to --checkpoint-dir (default 10).",
+        ),
         event_log: str | None = flag("event-log", None, "Append a JSON-lines log of every phase."),
         watchdog_timeout: str | None = flag(
             "watchdog-timeout",

@@ -43,6 +43,9 @@ DEFAULT_MASTER_PORT = 29500
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 DEFAULT_EXIT_BARRIER_TIMEOUT = 300.0
 STANDALONE_ENDPOINT = "localhost:0"
+#: Where ``--checkpoint-memory`` keeps a node's memory checkpoints: shared memory, so that
+#: they outlive the worker that saved them.
+SHARED_MEMORY = "/dev/shm"
 
 _STD_VALUES = {0: "none", 1: "stdout", 2: "stderr", 3: "both"}
 
@@ -115,6 +118,12 @@ class LaunchConfig:
     #: (``rallypoint.agent.warm``); ``--warm-start off``: each starts a fresh one.
     warm_start: bool = True
     preload: tuple[str, ...] = ()
+    #: ``--checkpoint-memory``: the bytes of shared memory a node's checkpoints may take
+    #: (0: saves go straight to --checkpoint-dir), the newest copies kept there, and every
+    #: how many memory saves the agent copies one to --checkpoint-dir.
+    checkpoint_memory: int = 0
+    checkpoint_memory_keep: int = 1
+    checkpoint_persist_every: int = 10
     #: What the agent tells the user once at start (a torch key with no effect here).
     notes: tuple[str, ...] = ()
 
@@ -183,6 +192,7 @@ class LaunchConfig:
         values["training_script_args"] = tuple(values.get("training_script_args") or ())
         _parse_torchrun_extras(values)
         _parse_warm_start(values)
+        _parse_checkpoint_memory(values)
         if values.get("shutdown_timeout") is None:
             values["shutdown_timeout"] = float(
                 os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT)
@@ -535,6 +545,49 @@ def _parse_torchrun_extras(values: dict[str, Any]) -> None:
 _SWITCH = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}
 
 
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str, flag: str) -> int:
+    """Bytes, from ``500MB``, ``2GB``, ``1.5GiB``, ``4G`` or a plain number of bytes."""
+    match = _SIZE.match(text)
+    if not match:
+        raise UsageError(f"{flag} {text!r}: expected a size such as 512MB, 4GB or 2GiB.")
+    number, unit, binary = float(match[1]), match[2].lower(), bool(match[3])
+    power = "kmgt".index(unit) + 1 if unit else 0
+    return int(number * (1024 if binary else 1000) ** power)
+
+
+def _parse_checkpoint_memory(values: dict[str, Any]) -> None:
+    """``--checkpoint-memory SIZE``: it must fit in this node's shared memory now."""
+    for key in ("checkpoint_memory_keep", "checkpoint_persist_every"):
+        if values.get(key) is None:
+            values.pop(key, None)  # not given: the default
+    raw = values.get("checkpoint_memory")
+    if raw in (None, "", 0):
+        values["checkpoint_memory"] = 0
+        return
+    size = raw if isinstance(raw, int) else parse_size(str(raw), "--checkpoint-memory")
+    if size <= 0:
+        raise UsageError(f"--checkpoint-memory {raw!r}: give a size above 0, or leave it out.")
+    try:
+        stats = os.statvfs(SHARED_MEMORY)
+    except OSError as error:
+        raise UsageError(
+            f"--checkpoint-memory needs shared memory at {SHARED_MEMORY}, which this node "
+            f"lacks ({error.strerror})."
+        ) from None
+    free, total = stats.f_bavail * stats.f_frsize, stats.f_blocks * stats.f_frsize
+    if size > free:
+        raise UsageError(
+            f"--checkpoint-memory {raw}: needs {size / 1e9:.1f} GB of shared memory, and "
+            f"{SHARED_MEMORY} has {free / 1e9:.1f} GB free of {total / 1e9:.1f} GB; give less, "
+            "or a larger /dev/shm (docker run --shm-size, a Kubernetes emptyDir of medium "
+            "Memory)."
+        )
+    values["checkpoint_memory"] = size
+
+
 def _parse_warm_start(values: dict[str, Any]) -> None:
     """``--warm-start on|off`` and ``--preload MODULE[,MODULE]``."""
     raw = values.get("warm_start", True)
@@ -577,6 +630,8 @@ _NUMBERS: tuple[tuple[str, str, type, float, bool], ...] = (
     ("shutdown_timeout", "--shutdown-timeout", float, 0, False),
     ("exit_barrier_timeout", "--exit-barrier-timeout", float, 0, False),
     ("watchdog_timeout", "--watchdog-timeout", float, 0, False),
+    ("checkpoint_memory_keep", "--checkpoint-memory-keep", int, 1, False),
+    ("checkpoint_persist_every", "--checkpoint-persist-every", int, 1, False),
 )
 
 

@@ -30,6 +30,9 @@ AGENT_STOPPING = "agent_stopping"
 #: ``bytes``, ``rank``; saves add ``blocked_seconds`` and ``asynchronous``, loads ``skipped``.
 CHECKPOINT_SAVED = "checkpoint_saved"
 CHECKPOINT_LOADED = "checkpoint_loaded"
+#: The agent copied a memory checkpoint (``--checkpoint-memory``) to ``--checkpoint-dir``:
+#: ``step``, ``seconds``, ``bytes``, ``url``.
+CHECKPOINT_PERSISTED = "checkpoint_persisted"
 
 
 @dataclass(frozen=True)

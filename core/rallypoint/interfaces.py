@@ -11,7 +11,7 @@ module can depend on them and none of them on another.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO, Protocol
 
@@ -126,10 +126,14 @@ class Assignment:
         info: the round's public description (number, ranks, sizes, master, members).
         local_world_sizes: workers per node, indexed by group rank; global ranks are their
             prefix sums, as in torchrun.
+        offers: what each member's agent offered the round, indexed by group rank (where
+            it serves its memory checkpoints, and which steps it holds); empty when the
+            handler carries none, or no member made one.
     """
 
     info: RoundInfo
     local_world_sizes: tuple[int, ...]
+    offers: tuple[Mapping[str, str], ...] = ()
 
     @property
     def rank_offset(self) -> int:

@@ -46,6 +46,7 @@ from rallypoint.agent.failures import (
 )
 from rallypoint.agent.keeper import Keeper
 from rallypoint.agent.logs import STDERR, STDOUT, AttemptLogs, TorchLogsSpecs, default_logs
+from rallypoint.agent.memory import NodeMemory
 from rallypoint.agent.oom import cgroup_kills, oom_killed
 from rallypoint.agent.rendezvous import create_handler
 from rallypoint.agent.restarts import FAILURE, MEMBERSHIP, Failure, Restarts, lost_nodes
@@ -96,24 +97,24 @@ class Agent:
         hostname = socket.gethostname()
         self.node_id = f"{hostname}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
         self.run = RunInfo(config.rdzv_id, self.node_id, hostname, config.role)
+        host = node_address(config.local_addr, config.max_nodes)
         self.handler: RendezvousHandler = create_handler(
-            config,
-            NodeSpec(
-                self.node_id,
-                host=node_address(config.local_addr, config.max_nodes),
-                labels=config.node_labels,
-            ),
+            config, NodeSpec(self.node_id, host=host, labels=config.node_labels)
         )
         self.run_dir, self._temporary_run_dir = _run_directory(config)
         self.metrics_dir: Path | None = None  # set by _create_sinks when a sink wants it
         self._nodes_waiting = 0
         self.bus = EventBus(self.run, pm, self._create_sinks(), config.event_log)
         self.watchdog = Watchdog(config.watchdog_timeout) if config.watchdog_timeout else None
+        self.memory: NodeMemory | None = None
+        if config.checkpoint_memory:
+            self.memory = NodeMemory(config, host, self.bus.emit)
+            if hasattr(self.handler, "offer"):  # the protocol's: the round carries offers
+                self.handler.offer = self.memory.offer
         # Workers report checkpoint saves and loads here; they reach the bus like ours.
         # Their heartbeats go to the watchdog only.
         self._worker_events = Receiver(
-            lambda name, data: self.bus.emit(name, **data),
-            heartbeat=None if self.watchdog is None else self.watchdog.beat,
+            self._worker_event, heartbeat=None if self.watchdog is None else self.watchdog.beat
         )
         self._kept: Keeper | None = None  # started with the first rendezvous: see _keeper
         self.warm = WarmStart(config, lambda: self.signalled is not None)
@@ -126,6 +127,11 @@ class Agent:
         self._wake_read, self._wake_write = socket.socketpair()
         self._wake_read.setblocking(False)
         self._wake_write.setblocking(False)
+
+    def _worker_event(self, name: str, data: dict[str, Any]) -> None:
+        self.bus.emit(name, **data)
+        if name == events.CHECKPOINT_SAVED and self.memory is not None:
+            self.memory.saved(data)
 
     def _create_sinks(self) -> list[NamedSink]:
         sinks: list[NamedSink] = []
@@ -166,6 +172,8 @@ class Agent:
                 write_error_record(self._parent_error_file, error_record(error))
             raise
         finally:
+            if self.memory is not None:  # the newest memory checkpoint made durable first
+                self.memory.close(reason)
             if self._kept is not None:
                 self._kept.release()  # whatever the workers left running goes with it
             self.bus.emit(events.AGENT_STOPPING, exit_code=exit_code, reason=reason)
@@ -208,7 +216,8 @@ class Agent:
             stop = self._judge(restarts, assignment.info)
             if stop is not None:
                 return stop
-            group = self._start_workers(assignment, restarts.count, restarts.attempts)
+            resume = None if self.memory is None else self.memory.resume_step(assignment)
+            group = self._start_workers(assignment, restarts.count, restarts.attempts, resume)
             restarts.attempts += 1
             started = time.monotonic()
             self.bus.emit(events.WORKERS_STARTED, assignment.info, pids=list(group.pids))
@@ -415,7 +424,11 @@ class Agent:
 
     # --- workers ------------------------------------------------------------------------
 
-    def _start_workers(self, assignment: Assignment, restarts: int, attempt: int) -> WorkerGroup:
+    def _start_workers(
+        self, assignment: Assignment, restarts: int, attempt: int, resume: int | None = None
+    ) -> WorkerGroup:
+        """Start this node's workers for ``assignment``; ``resume``: the memory checkpoint
+        step every worker of the round loads (``NodeMemory.resume_step``)."""
         config = self.config
         attempt_dir = self.run_dir / f"attempt_{attempt}"
         environments = [
@@ -428,6 +441,8 @@ class Agent:
                 restart_count=restarts,
                 events_socket=self._worker_events.address,
                 metrics_dir=None if self.metrics_dir is None else str(self.metrics_dir),
+                checkpoint_memory=None if self.memory is None else str(self.memory.path),
+                checkpoint_step=resume,
             )
             for local_rank in range(config.nproc_per_node)
         ]
@@ -457,6 +472,8 @@ class Agent:
         self._oom_kills = cgroup_kills()  # a kill counted after this is one of ours
         keeper = self._keeper()
         group = WorkerGroup.start(keeper, self.warm.spawn, specs, logs.filtered, config.role)
+        if self.memory is not None:
+            group.before_sweep = self.memory.wait_for_writers
         self.warm.started(keeper)
         return group
 
@@ -492,6 +509,8 @@ class Agent:
             self._kept = None
         if self._kept is None:
             self._kept = Keeper()
+            if self.memory is not None:
+                self._kept.own(str(self.memory.path))
             self.warm.prepare(self._kept)
         return self._kept
 

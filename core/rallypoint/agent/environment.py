@@ -46,11 +46,25 @@ PER_WORKER = frozenset(
         env.NODE_LOCAL_RANK,
         env.CUDA_VISIBLE_DEVICES,  # --virtual-local-rank
         env.CHECKPOINT_URL,
+        env.CHECKPOINT_MEMORY,
+        env.CHECKPOINT_MEMORY_BYTES,
+        env.CHECKPOINT_MEMORY_KEEP,
+        env.CHECKPOINT_STEP,
         env.EVENTS_SOCKET,
         env.METRICS_DIR,
         env.PROGRESS_TIMEOUT,
     }
 )
+
+
+MEMORY_TIER = (
+    env.CHECKPOINT_MEMORY,
+    env.CHECKPOINT_MEMORY_BYTES,
+    env.CHECKPOINT_MEMORY_KEEP,
+    env.CHECKPOINT_STEP,
+)
+#: torch's switch for huge pages in its CPU allocator (c10's alloc_cpu).
+THP_ALLOC = "THP_MEM_ALLOC_ENABLE"
 
 
 def job_environment(config: LaunchConfig, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -61,7 +75,14 @@ def job_environment(config: LaunchConfig, base: Mapping[str, str] | None = None)
     if config.nproc_per_node > 1:
         # torchrun's choice: many workers each using every core oversubscribe the host.
         environ.setdefault(env.OMP_NUM_THREADS, "1")
-    environ.pop(env.PROGRESS_TIMEOUT, None)  # inherited: not this agent's watchdog
+    # Inherited (an agent run by a worker): not this agent's watchdog, nor its memory.
+    for name in (env.PROGRESS_TIMEOUT, *MEMORY_TIER):
+        environ.pop(name, None)
+    if config.checkpoint_memory:
+        # torch's CPU allocator then asks for huge pages for large tensors: forking the
+        # process that snapshots them for a memory checkpoint copies 512 times fewer page
+        # table entries (read by torch at its first allocation, hence here).
+        environ.setdefault(THP_ALLOC, "1")
     return environ
 
 
@@ -75,6 +96,8 @@ def worker_environment(
     restart_count: int,
     events_socket: str | None = None,
     metrics_dir: str | None = None,
+    checkpoint_memory: str | None = None,
+    checkpoint_step: int | None = None,
     base: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The full environment of the worker ``local_rank`` for this round and attempt."""
@@ -110,11 +133,16 @@ def worker_environment(
         environ.update(_own_device(local_rank))
     optional = {
         env.CHECKPOINT_URL: config.checkpoint_dir,
+        env.CHECKPOINT_MEMORY: checkpoint_memory,
+        env.CHECKPOINT_STEP: None if checkpoint_step is None else str(checkpoint_step),
         env.EVENTS_SOCKET: events_socket,
         env.METRICS_DIR: metrics_dir,
         env.PROGRESS_TIMEOUT: f"{config.watchdog_timeout:g}" if config.watchdog_timeout else None,
     }
     environ.update({name: value for name, value in optional.items() if value})
+    if checkpoint_memory:
+        environ[env.CHECKPOINT_MEMORY_BYTES] = str(config.checkpoint_memory)
+        environ[env.CHECKPOINT_MEMORY_KEEP] = str(config.checkpoint_memory_keep)
     return environ
 
 

@@ -38,6 +38,7 @@ import ctypes
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -132,6 +133,15 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _ended(pid: int) -> bool:
+    """Whether ``pid`` is a zombie: it exited, and only waits to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            return handle.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return False
+
+
 def kill_children(spare: Sequence[int] = ()) -> int:
     """SIGKILL every descendant of this process (a subreaper: the orphans come back to it)
     but ``spare``, with their process groups, and reap them; the number killed.
@@ -146,6 +156,10 @@ def kill_children(spare: Sequence[int] = ()) -> int:
         if not children:
             break
         for child in children:
+            if _ended(child):  # it exited on its own (a checkpoint writer): only reap it
+                with contextlib.suppress(ChildProcessError, OSError):
+                    os.waitpid(child, 0)
+                continue
             with contextlib.suppress(OSError):
                 group = os.getpgid(child)
                 if group != os.getpgrp():
@@ -173,6 +187,7 @@ class _Keeper:
         self.zygote_sock: socket.socket | None = None  # until it closes
         self.warm: set[int] = set()  # workers the zygote forked, not yet reported ended
         self.forwarded: set[int] = set()  # ids of the spawn requests it has not answered
+        self.owned: list[str] = []  # directories to remove if the agent dies (``own``)
         self.wake_read, self.wake_write = os.pipe()
         os.set_blocking(self.wake_read, False)
         os.set_blocking(self.wake_write, False)
@@ -217,6 +232,9 @@ class _Keeper:
             elif op == "discard":
                 self.stop_zygote()
                 reply = {"op": "discarded"}
+            elif op == "own":
+                self.owned.append(str(message["path"]))
+                reply = {"op": "owned"}
             elif op == "sweep":
                 spare = [*self.workers, *([self.zygote] if self.zygote else [])]
                 reply = {"op": "swept", "killed": kill_children(spare=spare)}
@@ -329,8 +347,11 @@ class _Keeper:
                 )
 
     def finish(self) -> None:
-        """The agent is gone: nothing it started may stay."""
+        """The agent is gone: nothing it started may stay, nor what it asked the keeper
+        to remove (its memory checkpoints, which would hold shared memory until reboot)."""
         kill_children()
+        for path in self.owned:
+            shutil.rmtree(path, ignore_errors=True)
         os._exit(0)
 
 
@@ -478,6 +499,10 @@ class Keeper:
         if reply["op"] == "refused":
             raise WarmRefused(reply["message"], bool(reply.get("gone")))
         return int(reply["pid"])
+
+    def own(self, path: str) -> None:
+        """Have the keeper remove the directory ``path`` if the agent dies first."""
+        self._request({"op": "own", "path": path})
 
     def sweep(self) -> int:
         """Kill whatever the stopped workers left behind; how many processes that was."""

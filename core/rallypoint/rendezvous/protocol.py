@@ -171,6 +171,9 @@ class StoreRendezvous:
         self.nproc = nproc_per_node
         self.assigner = assigner
         self.settings = settings
+        #: Set by the agent: what this node offers the others in each round it joins
+        #: (``NodeRecord.offer``); every member reads all of them (``Assignment.offers``).
+        self.offer: Callable[[], Mapping[str, str]] | None = None
         low, high = settings.min_nodes, settings.max_nodes
         self._nnodes = str(low) if low == high else f"{low}:{high}"  # as --nnodes says it
         # Given (the static backend), else group rank 0's host and a free port it holds.
@@ -417,6 +420,7 @@ class StoreRendezvous:
             previous_rank=self.rank,
             run_id=self.keys.run_id,
             nnodes=self._nnodes,
+            offer=dict(self.offer()) if self.offer is not None else {},
         )
         self.store.set(self.keys.of_round(round_, "node", index), records.encode(mine))
         if index == 1:
@@ -654,6 +658,7 @@ class StoreRendezvous:
             master_addr=self.master_addr or ordered[0].host,
             master_port=ordered[0].port,
             run_id=self.keys.run_id,
+            offers=tuple(n.offer for n in ordered) if any(n.offer for n in ordered) else (),
         )
 
     def _joined(self, round_: int, count: int, start: int = 1) -> list[records.NodeRecord]:
@@ -737,7 +742,7 @@ class StoreRendezvous:
         if size > 1:
             neighbour = (self.rank + 1) % size
             self._watch = (record.round, record.node_ids[neighbour], record.hosts[neighbour], size)
-        return Assignment(info, record.nprocs)
+        return Assignment(info, record.nprocs, record.offers)
 
     # --- liveness -------------------------------------------------------------------------
 

@@ -17,8 +17,9 @@ from typing import Any
 from rallypoint.interfaces import StoreError
 
 #: 2: node and round records carry ``run_id``. 3: a round record lists its members
-#: compactly (node ids and hosts as space-separated text, nprocs as runs).
-VERSION = 3
+#: compactly (node ids and hosts as space-separated text, nprocs as runs). 4: node records
+#: may carry an ``offer``, and round records every member's (``offers``).
+VERSION = 4
 
 _WHITESPACE = re.compile(r"\s")
 
@@ -35,6 +36,9 @@ class NodeRecord:
     previous_rank: int | None = None
     run_id: str = ""  # the job's; a record read under another job's keys is refused
     nnodes: str = ""  # the agent's --nnodes MIN:MAX: a job of another shape is refused
+    #: What the node's agent tells the others through the round (its memory checkpoints:
+    #: where it serves them, which steps it holds); text to text, empty for most jobs.
+    offer: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,9 @@ class RoundRecord:
     master_port: int
     error: str = ""
     run_id: str = ""  # the job's; a record read under another job's keys is refused
+    #: Each member's ``offer``, in group-rank order; empty when no member made one (so a
+    #: job without memory checkpoints pays nothing for them at a thousand nodes).
+    offers: tuple[dict[str, str], ...] = ()
 
 
 def encode(record: NodeRecord | RoundRecord) -> bytes:
@@ -72,6 +79,10 @@ def encode(record: NodeRecord | RoundRecord) -> bytes:
         fields_["node_ids"] = " ".join(record.node_ids)
         fields_["hosts"] = " ".join(record.hosts)
         fields_["nprocs"] = _runs(record.nprocs)
+        if not record.offers:
+            del fields_["offers"]
+    elif not record.offer:
+        del fields_["offer"]
     return json.dumps({"kind": kind, "version": VERSION, **fields_}, separators=(",", ":")).encode()
 
 
@@ -149,6 +160,7 @@ def _node(key: str, data: Any) -> NodeRecord:
             previous_rank=None if data.get("previous_rank") is None else int(data["previous_rank"]),
             run_id=str(data["run_id"]),
             nnodes=str(data.get("nnodes") or ""),
+            offer=_offer(data.get("offer")),
         )
     except (KeyError, TypeError, ValueError) as error:
         raise StoreError(f"rendezvous record {key!r} is malformed: {error!r}") from None
@@ -160,6 +172,11 @@ def _node(key: str, data: Any) -> NodeRecord:
             "its node id or host"
         )
     return record
+
+
+def _offer(data: Any) -> dict[str, str]:
+    """An offer: text keys to text values."""
+    return {str(k): str(v) for k, v in dict(data or {}).items()}
 
 
 def _check_owner(key: str, run_id: str, tail: str) -> None:
@@ -201,6 +218,7 @@ def decode_round(key: str, raw: bytes) -> RoundRecord:
             master_port=int(data["master_port"]),
             error=str(data.get("error") or ""),
             run_id=str(data["run_id"]),
+            offers=tuple(_offer(offer) for offer in data.get("offers") or ()),
         )
     except (KeyError, TypeError, ValueError) as error:
         raise StoreError(f"rendezvous record {key!r} is malformed: {error!r}") from None
@@ -208,6 +226,7 @@ def decode_round(key: str, raw: bytes) -> RoundRecord:
     # (split, set, "in"), not element by element in Python.
     well_formed = (
         len(node_ids) == len(hosts)
+        and len(record.offers) in (0, len(node_ids))
         and (record.error or node_ids)
         and "" not in node_ids
         and 0 <= record.master_port <= 65535

@@ -1,0 +1,80 @@
+"""Training with a checkpoint every step: a gloo all-reduce per step, and rank 0 saves its
+state asynchronously after it (to node memory under ``--checkpoint-memory``).
+
+Usage: mem_train.py STEPS [--step-seconds S] [--kill-rank R --kill-at STEP]
+       [--tear-at STEP] [--damage-at STEP] [--stop-file PATH] [--megabytes MB]
+
+Only a fresh start (nothing loaded) kills: rank R SIGKILLs itself before step STEP;
+rank 0 at ``--tear-at`` SIGKILLs the process writing that step's copy, then itself (a torn
+copy); at ``--damage-at`` it waits for the copy, flips a byte of it, then dies. Prints
+``memory=PATH rank=R pid=P`` once, ``resumed source=S step=N`` after a load and ``done step=N world=W``
+after each step.
+"""
+
+import argparse
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from rallypoint import checkpoint
+
+parser = argparse.ArgumentParser()
+parser.add_argument("steps", type=int)
+parser.add_argument("--step-seconds", type=float, default=0.05)
+parser.add_argument("--kill-rank", type=int, default=-1)
+parser.add_argument("--kill-at", type=int, default=-1)
+parser.add_argument("--tear-at", type=int, default=-1)
+parser.add_argument("--damage-at", type=int, default=-1)
+parser.add_argument("--stop-file", default="")
+parser.add_argument("--megabytes", type=float, default=0.01)
+args = parser.parse_args()
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+memory = os.environ.get("RALLYPOINT_MEMORY_TIER", "")
+print(f"memory={memory} rank={rank} pid={os.getpid()}", flush=True)
+state = {"w": torch.zeros(max(1, int(args.megabytes * 1e6 / 4)))}
+loaded = checkpoint.load_latest()
+start = 0
+if loaded is not None:
+    state = loaded.state
+    start = loaded.step + 1
+    print(f"resumed source={loaded.source} step={loaded.step} world={world}", flush=True)
+fresh = loaded is None
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+for step in range(start, args.steps):
+    if fresh and rank == args.kill_rank and step == args.kill_at:
+        die()
+    # Every rank stops at the same step: the all-reduce tells them all of the stop file.
+    stop = float(bool(args.stop_file) and os.path.exists(args.stop_file))
+    total = torch.tensor([1.0, stop])
+    dist.all_reduce(total)
+    if total[1] > 0:
+        break
+    state["w"] += 1
+    if rank == 0:
+        checkpoint.save(state, step, asynchronous=True)
+        if fresh and step == args.tear_at:
+            for pid in os.listdir(Path(memory) / "writers"):  # the writer of this step
+                os.kill(int(pid), signal.SIGKILL)
+            die()
+        if fresh and step == args.damage_at:
+            checkpoint.wait()
+            copy = Path(memory) / "checkpoints" / f"step-{step:012d}" / "state.pt"
+            data = bytearray(copy.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            copy.write_bytes(bytes(data))
+            die()
+    print(f"done step={step} world={world}", flush=True)
+    time.sleep(args.step_seconds)
+checkpoint.wait()
+dist.destroy_process_group()
