@@ -9,7 +9,9 @@ world size 2 (its agent hosts the rendezvous store). Node b starts: both nodes s
 workers, meet again and go on from the newest checkpoint at world size 4. Then node b's
 agent is SIGKILLed, as when its machine dies: its workers die with it, node a's workers
 lose their peers, and node a goes on alone at world size 2 from the newest checkpoint,
-once node b's heartbeat is overdue, and finishes. Neither change uses up a restart.
+once node b's heartbeat is overdue, and finishes. Neither change uses up a restart. The
+workers save a checkpoint every step, to node memory (``--checkpoint-memory``): node a
+resumes from its memory, and the demo says how many steps that lost.
 
 Each line is shown with the node it comes from; the workers' logs, the checkpoints and
 each node's event log are left under ``--dir``. Every wait is bounded: a step that does not
@@ -130,9 +132,9 @@ def node_command(name: str, directory: Path, port: int) -> list[str]:
         "--rdzv-id", "digits-demo",
         "--rdzv-conf", f"last_call_timeout=1,heartbeat_timeout={HEARTBEAT_TIMEOUT}",
         "--redirects", "2", "--log-dir", str(directory / "logs" / name),
-        "--checkpoint-dir", str(directory / "checkpoints"),
+        "--checkpoint-dir", str(directory / "checkpoints"), "--checkpoint-memory", "64MB",
         "--event-log", str(directory / f"events-{name}.jsonl"),
-        str(HERE / "train_digits.py"), "--save-every", "25", "--log-every", "25",
+        str(HERE / "train_digits.py"), "--save-every", "1", "--log-every", "25",
         "--step-seconds", "0.05",
     ]  # fmt: skip
 
@@ -141,6 +143,24 @@ def events(event_log: Path, name: str) -> list[dict[str, Any]]:
     """The events called ``name`` in a node's event log, in order."""
     lines = event_log.read_text().splitlines() if event_log.exists() else []
     return [event for event in map(json.loads, lines) if event.get("event") == name]
+
+
+def steps_lost(event_log: Path, killed: float) -> str:
+    """Where node a resumed from after node b was killed, and how many steps that lost: the
+    newest step its workers had saved (a save every step, to memory) against the step
+    loaded."""
+    restarted = min(
+        e["wall_time"] for e in events(event_log, "workers_restarted") if e["wall_time"] > killed
+    )
+    saved = max(
+        e["step"] for e in events(event_log, "checkpoint_saved") if e["wall_time"] < restarted
+    )
+    loaded = next(e for e in events(event_log, "checkpoint_loaded") if e["wall_time"] > restarted)
+    lost = saved - loaded["step"]
+    return (
+        f"node a resumed from {loaded['source']}, {lost} step{'' if lost == 1 else 's'} lost "
+        f"(its workers had saved step {saved} when node b was lost; resumed at {loaded['step']})"
+    )
 
 
 def still_running(pids: list[int]) -> list[int]:
@@ -175,6 +195,7 @@ def prepare(directory: Path) -> None:
 
 def run(directory: Path) -> int:
     nodes: list[Node] = []
+    killed = 0.0  # when node b was killed (wall time)
     try:
         prepare(directory)
         port = free_port()
@@ -187,10 +208,10 @@ def run(directory: Path) -> int:
         b = Node("b", node_command("b", directory, port))
         nodes.append(b)
         seen = a.wait_for("per worker x world size 4", seen)
-        # Two loss lines, 25 steps apart, as are the checkpoints: the first of those taken
-        # at world size 4 is written when the second line comes (a save waits for the last).
+        # Two loss lines, 25 steps apart: training at world size 4 is under way.
         seen = a.wait_for(" loss ", a.wait_for(" loss ", seen) + 1)
         print("demo: both nodes train at world size 4; killing node b (SIGKILL)", flush=True)
+        killed = time.time()
         b.process.kill()
         b.exit_code()
         seen = a.wait_for("per worker x world size 2", seen)
@@ -210,6 +231,7 @@ def run(directory: Path) -> int:
     if left:
         print(f"demo failed: workers {left} outlived their agents", file=sys.stderr, flush=True)
         return 1
+    print(f"demo: {steps_lost(logs[0], killed)}", flush=True)
     print(
         f"demo done: node a trained at world sizes {', '.join(map(str, sizes))} and finished; "
         f"none of the {len(pids)} workers started is left running. The workers' logs, the "

@@ -76,6 +76,14 @@ def load_data(device: torch.device) -> tuple[TensorDataset, TensorDataset]:
     return tensors(train_x, train_y), tensors(test_x, test_y)
 
 
+#: Where ``load_latest`` found the checkpoint (``Checkpoint.source``), as the log says it.
+WHERE = {
+    "memory": "in memory",
+    "peer": "from another node's memory",
+    "durable": "in --checkpoint-dir",
+}
+
+
 def training_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, sampler: ElasticSampler
 ) -> dict[str, object]:
@@ -125,7 +133,7 @@ def main() -> None:
         sampler.load_state_dict(loaded.state["sampler"])
         step = loaded.step
         log(
-            f"attempt {attempt}: resuming from the checkpoint of step {step} "
+            f"attempt {attempt}: resuming from the checkpoint of step {step} {WHERE[loaded.source]} "
             f"(saved at world size {loaded.world_size}, now {world}): epoch {sampler.epoch}, "
             f"{sampler.consumed}/{len(train_set)} samples of it done"
         )

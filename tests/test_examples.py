@@ -82,14 +82,18 @@ def test_the_demo_scales_up_and_goes_on_without_a_killed_node(tmp_path: Path) ->
     assert restarts == {("membership", 0)}, output
     # Each round went on from the newest checkpoint: at world size 4, then at 2 again.
     assert re.search(
-        r"node a \| .*resuming from the checkpoint of step \d+ \(saved at world size 2, now 4\)",
+        r"node a \| .*resuming from the checkpoint of step \d+ in memory "
+        r"\(saved at world size 2, now 4\)",
         output,
     ), output
     assert re.search(
-        r"node a \| .*resuming from the checkpoint of step \d+ \(saved at world size 4, now 2\)",
+        r"node a \| .*resuming from the checkpoint of step \d+ in memory "
+        r"\(saved at world size 4, now 2\)",
         output,
     ), output
     assert re.search(r"held-out accuracy ([\d.]+)%", output), output
+    # A save every step, to memory: node b's loss cost node a no step.
+    assert "demo: node a resumed from memory, 0 steps lost" in output, output
     # Node b was SIGKILLed: its workers died with it, and node a's are gone too.
     pids = [
         pid for log in (node_a, node_b) for e in events(log, "workers_started") for pid in e["pids"]
