@@ -86,6 +86,7 @@ bench: install
 	$(PY) benchmarks/bench_recovery.py
 	$(PY) benchmarks/bench_recovery.py --kill preempt
 	$(PY) benchmarks/bench_checkpoint.py
+	$(PY) benchmarks/bench_memory.py
 	$(PY) benchmarks/bench_metrics.py
 
 clean:
