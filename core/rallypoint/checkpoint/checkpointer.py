@@ -530,28 +530,12 @@ def _file_entry(path: Any) -> mf.FileEntry:
 
 def _tensor_bytes(state: Any) -> int:
     """The bytes of the tensors in ``state`` (what its ``torch.save`` holds, but a little)."""
-    import torch
-
-    if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
-    if isinstance(state, Mapping):
-        return sum(_tensor_bytes(value) for value in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(_tensor_bytes(value) for value in state)
-    return 0
+    return sum(t.numel() * t.element_size() for t in _tensors(state))
 
 
 def _in_cpu_memory(state: Any) -> bool:
     """Whether every tensor in ``state`` lives in CPU memory (what a fork can snapshot)."""
-    import torch
-
-    if isinstance(state, torch.Tensor):
-        return state.device.type == "cpu"
-    if isinstance(state, Mapping):
-        return all(_in_cpu_memory(value) for value in state.values())
-    if isinstance(state, (list, tuple)):
-        return all(_in_cpu_memory(value) for value in state)
-    return True
+    return all(t.device.type == "cpu" for t in _tensors(state))
 
 
 def snapshot_to_cpu(state: Any) -> Any:
