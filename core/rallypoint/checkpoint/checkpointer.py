@@ -193,10 +193,11 @@ class Checkpointer:
         if pid == 0:  # the child: write, report, and leave without running any cleanup
             code = 1
             try:
+                if outlive:  # out of the worker's group first: a restart's SIGTERM misses it
+                    os.setsid()
                 os.close(errors)
                 _without_zip_checksums()
                 if outlive:
-                    os.setsid()
                     self._write_to_memory(state, step, wall, time.perf_counter() - began)
                 else:
                     die_with_parent(parent)  # a worker killed mid-write takes the write along
