@@ -18,6 +18,13 @@ from rallypoint.config import LaunchConfig
 from rallypoint.interfaces import Assignment
 from rallypoint.worker import env
 
+#: ``--checkpoint-memory``'s variables: set per worker, and never inherited from the agent.
+MEMORY_TIER = (
+    env.CHECKPOINT_MEMORY,
+    env.CHECKPOINT_MEMORY_BYTES,
+    env.CHECKPOINT_MEMORY_KEEP,
+    env.CHECKPOINT_STEP,
+)
 #: What ``worker_environment`` sets for each worker on top of ``job_environment``: read
 #: when a script runs (by ``init_process_group``, rallypoint's worker modules, CUDA's
 #: initialisation), never by an import, so a preloaded interpreter need not have them.
@@ -46,10 +53,7 @@ PER_WORKER = frozenset(
         env.NODE_LOCAL_RANK,
         env.CUDA_VISIBLE_DEVICES,  # --virtual-local-rank
         env.CHECKPOINT_URL,
-        env.CHECKPOINT_MEMORY,
-        env.CHECKPOINT_MEMORY_BYTES,
-        env.CHECKPOINT_MEMORY_KEEP,
-        env.CHECKPOINT_STEP,
+        *MEMORY_TIER,
         env.EVENTS_SOCKET,
         env.METRICS_DIR,
         env.PROGRESS_TIMEOUT,
@@ -57,12 +61,6 @@ PER_WORKER = frozenset(
 )
 
 
-MEMORY_TIER = (
-    env.CHECKPOINT_MEMORY,
-    env.CHECKPOINT_MEMORY_BYTES,
-    env.CHECKPOINT_MEMORY_KEEP,
-    env.CHECKPOINT_STEP,
-)
 #: torch's switch for huge pages in its CPU allocator (c10's alloc_cpu).
 THP_ALLOC = "THP_MEM_ALLOC_ENABLE"
 

@@ -125,10 +125,13 @@ class NodeMemory:
 
     # --- the round ------------------------------------------------------------------------
 
+    def held(self) -> set[int]:
+        """The steps of the complete copies this node holds: its own and a peer's."""
+        return self.tier.complete_steps() | self.peer.complete_steps()
+
     def offer(self) -> dict[str, str]:
         """What this node tells the round: its server and the steps it holds."""
-        held = sorted(self.tier.complete_steps() | self.peer.complete_steps())
-        offer = {"steps": " ".join(map(str, held))}
+        offer = {"steps": " ".join(map(str, sorted(self.held())))}
         if self.server is not None:
             offer["server"] = self.server.address
         return offer
@@ -147,7 +150,7 @@ class NodeMemory:
             rank: {int(s) for s in offer.get("steps", "").split()}
             for rank, offer in enumerate(offers)
         }
-        held[me] = self.tier.complete_steps() | self.peer.complete_steps()
+        held[me] = self.held()
         step = max((s for steps in held.values() for s in steps), default=None)
         if step is None or step in held[me]:
             return step

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -154,16 +153,15 @@ class Tier:
         return copied
 
     def _receive_file(self, reader: BinaryIO, name: str, entry: mf.FileEntry) -> int:
-        sha = hashlib.sha256()
-        size = 0
-        with self.writer(name) as writer:
-            while size < entry.size and (chunk := reader.read(min(_CHUNK, entry.size - size))):
-                sha.update(chunk)
-                size += len(chunk)
+        with self.writer(name) as handle:
+            writer = mf.HashingWriter(handle)
+            while writer.size < entry.size and (
+                chunk := reader.read(min(_CHUNK, entry.size - writer.size))
+            ):
                 writer.write(chunk)
-            if size != entry.size or sha.hexdigest() != entry.sha256:
+            if writer.entry != entry:
                 raise mf.Damaged(f"{name} does not match its manifest")
-        return size
+        return writer.size
 
     # --- reading --------------------------------------------------------------------------
 

@@ -564,20 +564,24 @@ class StoreRendezvous:
         return self._state() > round_ or self._superseded(self.store)
 
     def _superseded(self, store: CoordinationStore) -> bool:
-        """Whether a node took this one's generation of the run for dead (no agent of it
-        alive) and started the next. Only a node whose liveness lapsed can be left behind
-        so, that is one that stalled: the key is read only within STALL_WATCH
-        heartbeat_timeouts of a stall."""
+        return self._newer_generation(store) is not None
+
+    def _newer_generation(self, store: CoordinationStore) -> Keys | None:
+        """The run's keys in its current generation if a node took this one's generation
+        for dead (no agent of it alive) and started the next, else None. Only a node whose
+        liveness lapsed can be left behind so, that is one that stalled: the key is read
+        only within STALL_WATCH heartbeat_timeouts of a stall."""
         if time.monotonic() - self._stalled_at > STALL_WATCH * self.settings.heartbeat_timeout:
-            return False
-        return current_generation(store, self.keys).generation > self.keys.generation
+            return None
+        current = current_generation(store, self.keys)
+        return current if current.generation > self.keys.generation else None
 
     def _follow_generation(self) -> bool:
         """Move to the run's current generation if it left this node's behind (see
         ``settle_generation``): this node then joins it as a new node, at round 0."""
-        if not self._superseded(self.store):
+        current = self._newer_generation(self.store)
+        if current is None:
             return False
-        current = current_generation(self.store, self.keys)
         logger.warning(
             "run %s was started afresh while this node could not reach the rendezvous "
             "store: joining it as a new node",
