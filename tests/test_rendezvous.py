@@ -314,3 +314,31 @@ def test_a_store_without_add_and_get_gets_add_then_get() -> None:
     assert store.add_and_get("/count", 1, "/state") == (1, None)
     store.set("/state", b"3")
     assert store.add_and_get("/count", 1, "/state") == (2, b"3")
+
+
+def test_an_exit_barrier_of_a_round_the_others_left_does_not_wait() -> None:
+    """Node a finishes round 0 while node b, taking it for gone, went on to round 1: a's
+    exit barrier returns once it sees the job past its round, not after its timeout."""
+    from rallypoint.builtins.rank_assigners import register_rank_assigners
+    from rallypoint.extensions import NodeSpec
+    from rallypoint.rendezvous.protocol import Settings, StoreRendezvous
+
+    store = MemoryStore()
+    ordered = register_rank_assigners()[0]
+    settings = Settings.from_conf(2, 2, {"last_call_timeout": 0.2, "heartbeat_timeout": 3})
+    a, b = (
+        StoreRendezvous(store, "job", NodeSpec(name, host="h"), 1, ordered, settings)
+        for name in ("a", "b")
+    )
+    try:
+        joined = threading.Thread(target=b.next_round)
+        joined.start()
+        a.next_round()
+        joined.join(10)
+        b.request_new_round()  # b went on without a
+        began = time.monotonic()
+        a.exit_barrier(60)
+        assert time.monotonic() - began < 5
+    finally:
+        a.close()
+        b.close()

@@ -327,10 +327,21 @@ class StoreRendezvous:
         self.store.set(self.keys.of_round(self.round, "done", done), b"1")
         self._watch = None  # finished nodes stop beating at different times
         last = self.keys.of_round(self.round, "done", len(self.record.node_ids))
-        if self.store.wait([last], timeout):
-            self._finished = self.round
-        else:
-            logger.warning("exit barrier: not every node finished within %.0f s", timeout)
+        deadline = time.monotonic() + timeout
+        slice_ = self.settings.heartbeat_timeout / 3
+        while not self.store.wait([last], max(0.0, min(slice_, deadline - time.monotonic()))):
+            if self._ended(self.round):
+                # The others went on without this node (they took it for gone while it
+                # finished): they will not pass this round's barrier; waiting is for nothing.
+                logger.warning(
+                    "exit barrier: the job went on to a later round without this node; "
+                    "not waiting for the others"
+                )
+                return
+            if time.monotonic() >= deadline:
+                logger.warning("exit barrier: not every node finished within %.0f s", timeout)
+                return
+        self._finished = self.round
 
     def close(self) -> None:
         # Heartbeats stop first: a node counts as gone from here, and no renewal of its
