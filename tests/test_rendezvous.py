@@ -342,3 +342,39 @@ def test_an_exit_barrier_of_a_round_the_others_left_does_not_wait() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_a_joiner_is_alive_before_its_record_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node b comes while a's heartbeat thread has yet to run (a loaded host): b must find
+    a alive, not take the run for abandoned and start it afresh without a."""
+    from rallypoint.builtins.rank_assigners import register_rank_assigners
+    from rallypoint.extensions import NodeSpec
+    from rallypoint.rendezvous.protocol import Keys, Settings, StoreRendezvous
+
+    beat = StoreRendezvous._beat
+
+    def late_beat(self: StoreRendezvous, *args: object) -> None:
+        time.sleep(2)
+        beat(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(StoreRendezvous, "_beat", late_beat)
+    store = MemoryStore()
+    ordered = register_rank_assigners()[0]
+    conf = {"last_call_timeout": 0.2, "heartbeat_timeout": 30, "join_timeout": 8}
+    settings = Settings.from_conf(2, 2, conf)
+    a, b = (
+        StoreRendezvous(store, "job", NodeSpec(name, host="h"), 1, ordered, settings)
+        for name in ("a", "b")
+    )
+    results: list[object] = []
+    try:
+        joined = threading.Thread(target=lambda: results.append(a.next_round()))
+        joined.start()
+        first = Keys("/rallypoint", "job").of_round(0, "node", 1)
+        assert store.wait([first], 5)
+        assert b.next_round().info.members == ("a", "b")
+        joined.join(10)
+        assert len(results) == 1
+    finally:
+        a.close()
+        b.close()

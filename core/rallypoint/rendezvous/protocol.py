@@ -765,6 +765,11 @@ class StoreRendezvous:
         """Keep this node alive from its first join until ``close``."""
         if self._heartbeat is not None:
             return
+        # Alive before the first join record: a node that reads the record while the
+        # thread has yet to beat would take this run for abandoned (``settle_generation``).
+        self._beat_store.keep_alive(
+            self.keys.heartbeat(self.node.node_id), self.settings.heartbeat_timeout
+        )
         self._stop_heartbeat = threading.Event()
         self._heartbeat = threading.Thread(
             target=self._beat, args=(self._beat_store, self._stop_heartbeat), daemon=True
