@@ -268,8 +268,7 @@ class WorkerMetrics:
             self._forget_dead()
             if not self.directory.is_dir():
                 return
-            collector = MultiProcessCollector(None, path=str(self.directory))  # type: ignore[no-untyped-call]
-            families: list[Metric] = list(collector.collect())  # type: ignore[no-untyped-call]
+            families: list[Metric] = list(MultiProcessCollector.merge(_readable(self.directory)))  # type: ignore[no-untyped-call]
         for family in families:
             if family.name in self.taken:
                 if family.name not in self._refused:
@@ -285,6 +284,23 @@ class WorkerMetrics:
                     sample.name, {**sample.labels, **self.labels}, sample.value, sample.timestamp
                 )
             yield labelled
+
+
+def _readable(directory: Path) -> list[str]:
+    """The metric files in ``directory`` that hold their header: a worker creating one
+    leaves it empty for a moment, and prometheus_client fails the whole scrape on it."""
+    files = []
+    for path in directory.glob("*.db"):
+        try:
+            if path.stat().st_size >= _HEADER:
+                files.append(str(path))
+        except FileNotFoundError:  # a dead worker's gauges, just removed
+            continue
+    return files
+
+
+#: The bytes at the head of a metric file: how much of it is used.
+_HEADER = 8
 
 
 def _running(pid: int) -> bool:

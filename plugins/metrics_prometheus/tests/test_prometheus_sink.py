@@ -179,3 +179,22 @@ def test_an_unreachable_pushgateway_does_not_stop_the_sink() -> None:
         assert re.search(r"^rallypoint_world_size\{.*\} 8\.0$", text, re.M)
     finally:
         sink.close()  # its last push fails too, and is only logged
+
+
+def test_a_metric_file_being_created_does_not_fail_the_scrape(tmp_path: Path) -> None:
+    """A worker creating its file leaves it empty for a moment: the scrape serves the rest
+    (prometheus_client alone answers 500)."""
+    metrics_dir = tmp_path / "metrics"
+    metrics_dir.mkdir()
+    sink = create_sink({"port": 0, "addr": "127.0.0.1"}, metrics_dir)
+    worker = 'node="node-a",rank="0",role="trainer",run_id="job-7"'
+    try:
+        running = start_worker(metrics_dir, rank=0)
+        (metrics_dir / "counter_999999.db").touch()
+        try:
+            text = fetch(f"http://127.0.0.1:{sink.port}/metrics")
+            assert value(text, f"rallypoint_training_samples_total{{{worker}}}") == 64
+        finally:
+            end_worker(running)
+    finally:
+        sink.close()
