@@ -68,10 +68,15 @@ def run_one_node(tmp_path: Path, *script: str, flags: tuple[str, ...] = ()) -> t
 
 
 def test_a_worker_sigkill_resumes_from_memory_losing_no_step(tmp_path: Path) -> None:
-    """Rank 1 dies before step 6; rank 0 had saved step 5 (its writer finishes after the
-    group is stopped): both resume at step 5, from memory: no step is done twice."""
+    """Rank 1 dies in step 6; rank 0 had returned from saving step 5 (its writer finishes
+    after the group is stopped) and may have begun saving step 6: both resume from the
+    newest, from memory, and no step that rank 0 finished is done twice."""
     out, log = run_one_node(tmp_path, "12", "--kill-rank", "1", "--kill-at", "6")
-    assert [(e["step"], e["source"]) for e in loads(log)] == [(5, "memory")] * 2, out
+    resumed = [(e["step"], e["source"]) for e in loads(log)]
+    first_attempt = out.split("resumed source=")[0]
+    finished = max(int(step) for step in re.findall(r"\[default0\]:done step=(\d+)", first_attempt))
+    assert resumed in ([(5, "memory")] * 2, [(6, "memory")] * 2), out
+    assert resumed[0][0] >= finished, out
     assert "done step=11" in out
     assert "left running" not in out  # the writer ended by itself: nothing to stop
 
@@ -213,6 +218,48 @@ def test_a_save_that_does_not_fit_says_so(tmp_path: Path) -> None:
     )
     assert done.returncode == 1
     assert "does not fit in the node memory given to checkpoints" in done.stdout + done.stderr
+
+
+def test_a_memory_save_waits_only_while_two_are_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Step 1's writer is held: step 2's save starts at once (a crash then loses neither),
+    step 3's waits for step 1's; the newest is what remains."""
+    import threading
+
+    import torch
+
+    from rallypoint.worker import env
+
+    monkeypatch.setenv(env.CHECKPOINT_MEMORY, str(tmp_path))
+    monkeypatch.setenv(env.CHECKPOINT_MEMORY_BYTES, str(64 << 20))
+    gate = tmp_path / "go"
+    write = Checkpointer._write_to_memory
+
+    def held(self: Checkpointer, state: Any, step: int, *rest: Any) -> None:
+        deadline = time.monotonic() + 60
+        while step == 1 and not gate.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        write(self, state, step, *rest)
+
+    monkeypatch.setattr(Checkpointer, "_write_to_memory", held)  # the forked writer's
+    checkpointer = Checkpointer(rank=0, world_size=1)
+    state = {"w": torch.ones(1000)}
+    try:
+        checkpointer.save(state, 1, asynchronous=True)
+        checkpointer.save(state, 2, asynchronous=True)  # step 1's writer still held
+        assert [p.step for p in checkpointer._pending] == [1, 2]
+        third = threading.Thread(
+            target=checkpointer.save, args=(state, 3), kwargs={"asynchronous": True}
+        )
+        third.start()
+        time.sleep(0.5)
+        assert third.is_alive()  # two are being written: it waits for step 1's
+    finally:
+        gate.touch()
+    third.join(60)
+    checkpointer.wait()
+    assert checkpointer.steps() == [3]
 
 
 # --- two nodes ----------------------------------------------------------------------------

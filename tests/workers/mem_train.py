@@ -4,7 +4,8 @@ state asynchronously after it (to node memory under ``--checkpoint-memory``).
 Usage: mem_train.py STEPS [--step-seconds S] [--kill-rank R --kill-at STEP]
        [--tear-at STEP] [--damage-at STEP] [--stop-file PATH] [--megabytes MB]
 
-Only a fresh start (nothing loaded) kills: rank R SIGKILLs itself before step STEP;
+Only a fresh start (nothing loaded) kills: rank R SIGKILLs itself in step STEP, after
+its all-reduce (so rank 0 has saved the step before, and may be saving this one);
 rank 0 at ``--tear-at`` SIGKILLs the process writing that step's copy, then itself (a torn
 copy); at ``--damage-at`` it waits for the copy, flips a byte of it, then dies. Prints
 ``memory=PATH rank=R pid=P`` once, ``resumed source=S step=N`` after a load and ``done step=N world=W``
@@ -52,14 +53,14 @@ def die() -> None:
 
 
 for step in range(start, args.steps):
-    if fresh and rank == args.kill_rank and step == args.kill_at:
-        die()
     # Every rank stops at the same step: the all-reduce tells them all of the stop file.
     stop = float(bool(args.stop_file) and os.path.exists(args.stop_file))
     total = torch.tensor([1.0, stop])
     dist.all_reduce(total)
     if total[1] > 0:
         break
+    if fresh and rank == args.kill_rank and step == args.kill_at:
+        die()  # after the all-reduce: rank 0's save of the step before has returned
     state["w"] += 1
     if rank == 0:
         checkpoint.save(state, step, asynchronous=True)

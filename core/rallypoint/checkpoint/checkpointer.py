@@ -26,6 +26,10 @@ from rallypoint.worker.lifetime import die_with_parent
 
 logger = logging.getLogger("rallypoint.checkpoint")
 
+#: Saves to node memory written at once: a save begins while the one before it is still
+#: being written (a worker that dies meanwhile loses neither), but not while two are.
+IN_FLIGHT = 2
+
 #: The variable the agent sets from ``--checkpoint-dir``.
 URL_ENV = env.CHECKPOINT_URL
 STATE_FILE = "state.pt"
@@ -61,6 +65,17 @@ def open_storage(url: str) -> CheckpointStorage:
     if store.open is None:
         raise CheckpointError(f"checkpoint backend {store.name!r} cannot open {url!r}")
     return store.open(url)
+
+
+@dataclass
+class _Pending:
+    """A background save: its step, the thread that writes it (or waits for its writer),
+    the state's bytes it will add to its tier, and the error it failed with."""
+
+    step: int
+    thread: threading.Thread | None = None
+    size: int = 0
+    error: BaseException | None = None
 
 
 def memory_tiers() -> list[Tier]:
@@ -115,8 +130,7 @@ class Checkpointer:
         self.keep_last = keep_last
         self.rank = (env.env_int(env.RANK) or 0) if rank is None else rank
         self.world_size = (env.env_int(env.WORLD_SIZE) or 1) if world_size is None else world_size
-        self._pending: threading.Thread | None = None
-        self._pending_error: BaseException | None = None
+        self._pending: list[_Pending] = []  # oldest first
 
     @property
     def storage(self) -> CheckpointStorage:
@@ -134,47 +148,81 @@ class Checkpointer:
         no copy while the caller waits), state on a GPU is copied to CPU memory and
         written by a background thread. A crash during the write leaves the previous
         checkpoint as the newest; in node memory the writer outlives a crash of the
-        worker, and finishes the copy. One save runs at a time: a save waits for the
-        previous one to finish.
+        worker, and finishes the copy. A save waits for the previous one to finish,
+        except in node memory: there it waits only while two are being written (or
+        while the tier has no room for one more), so that a crash right after ``save``
+        returns loses no step.
 
         Raises:
             CheckpointError: the checkpoint could not be written (a full disk, a read-only
                 directory, no room left in ``--checkpoint-memory``), naming the cause; what
                 it had written is removed and the checkpoints saved before are intact. An
                 asynchronous save that fails logs the error at once and raises it from the
-                next ``save`` or ``wait``.
+                next ``save`` or ``wait``, unless a newer save is complete by then.
         """
         if self.rank != 0:
             return
-        self.wait()
         began = time.perf_counter()
+        forked = asynchronous and hasattr(os, "fork") and _in_cpu_memory(state)
+        if forked and self.tiers[0] is self.memory:
+            self._make_way(_tensor_bytes(state))
+        else:
+            self.wait()
         if not asynchronous:
             self._write(state, step, began, blocked=None)
             return
-        if hasattr(os, "fork") and _in_cpu_memory(state):
-            background = self._fork_writer(state, step, began)
+        pending = _Pending(step, size=_tensor_bytes(state))
+        if forked:
+            background = self._fork_writer(state, step, began, pending)
         else:
             snapshot = snapshot_to_cpu(state)
             blocked = time.perf_counter() - began
 
             def background() -> None:
-                self._write_in_background(snapshot, step, began, blocked)
+                self._write_in_background(snapshot, step, began, blocked, pending)
 
-        self._pending = threading.Thread(
+        pending.thread = threading.Thread(
             target=background, name=f"rallypoint-checkpoint-{step}"
         )  # not a daemon: a worker that returns normally finishes its last save first
-        self._pending.start()
+        pending.thread.start()
+        self._pending.append(pending)
 
     def wait(self) -> None:
-        """Wait for a background save to finish; raise its error if it failed."""
-        if self._pending is not None:
-            self._pending.join()
-            self._pending = None
-        error, self._pending_error = self._pending_error, None
-        if error is not None:
-            raise CheckpointError(f"the background checkpoint save failed: {error}") from error
+        """Wait for the background saves to finish; raise the error of one that failed."""
+        while self._pending:
+            self._finish_oldest()
 
-    def _fork_writer(self, state: Any, step: int, began: float) -> Callable[[], None]:
+    def _make_way(self, size: int) -> None:
+        """Before a save to node memory: finish the saves already written; wait for the
+        oldest while IN_FLIGHT are being written, or while the tier's budget has no room
+        for ``size`` more bytes beside what they will take."""
+        while self._pending and not self._pending[0].thread.is_alive():  # type: ignore[union-attr]
+            self._finish_oldest()
+        tier = self.tiers[0]
+        while self._pending:
+            writing = sum(p.size for p in self._pending)
+            room = None if tier.budget is None else tier.budget - tier.used() - writing
+            if len(self._pending) < IN_FLIGHT and (room is None or size <= room):
+                return
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        """Wait for the oldest background save; raise its error, unless a save begun after
+        it is complete (its step is superseded: nothing is lost)."""
+        pending = self._pending.pop(0)
+        assert pending.thread is not None
+        pending.thread.join()
+        error = pending.error
+        if error is None:
+            return
+        if self._pending and max(self.tiers[0].complete_steps(), default=-1) > pending.step:
+            logger.info("checkpoint %d not saved (%s); a newer one is", pending.step, error)
+            return
+        raise CheckpointError(f"the background checkpoint save failed: {error}") from error
+
+    def _fork_writer(
+        self, state: Any, step: int, began: float, pending: _Pending
+    ) -> Callable[[], None]:
         """Fork a process that writes ``state`` as the fork left it; return what waits
         for it. The child shares the parent's memory copy-on-write, so the parent only
         pays for the pages it changes while the child writes.
@@ -222,7 +270,7 @@ class Checkpointer:
             code = os.waitstatus_to_exitcode(status)
             if code != 0:
                 reason = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-                self._pending_error = CheckpointError(
+                pending.error = CheckpointError(
                     message or f"the process writing checkpoint {step} failed ({reason})"
                 )
 
@@ -273,12 +321,14 @@ class Checkpointer:
             tier=tier.source,
         )
 
-    def _write_in_background(self, state: Any, step: int, began: float, blocked: float) -> None:
+    def _write_in_background(
+        self, state: Any, step: int, began: float, blocked: float, pending: _Pending
+    ) -> None:
         try:
             self._write(state, step, began, blocked)
         except BaseException as error:
             logger.error("asynchronous save: %s", error)
-            self._pending_error = error
+            pending.error = error
 
     def _write(self, state: Any, step: int, began: float, blocked: float | None) -> None:
         import torch

@@ -69,12 +69,12 @@ class FileStorage:
             yield handle
 
     def names(self) -> list[str]:
-        if not self.root.is_dir():
-            return []
+        # os.walk passes over a folder removed while it lists (another writer's rotation).
         return sorted(
-            path.relative_to(self.root).as_posix()
-            for path in self.root.rglob("*")
-            if path.is_file() and not path.name.startswith(_TEMPORARY)
+            os.path.relpath(os.path.join(folder, name), self.root).replace(os.sep, "/")
+            for folder, _, files in os.walk(self.root)
+            for name in files
+            if not name.startswith(_TEMPORARY)
         )
 
     def delete(self, name: str) -> None:

@@ -98,12 +98,14 @@ class Tier:
 
     def rotate(self, newest: int) -> None:
         """Keep the ``keep_last`` newest complete checkpoints; remove the rest, and
-        anything unfinished (one writer at a time)."""
+        anything unfinished older than ``newest`` (the one just written). An unfinished
+        one newer than it is a save still being written (node memory writes two at once),
+        or a dead writer's, removed by a later rotation."""
         try:
             complete = sorted(self.complete_steps(), reverse=True)
             keep = set(complete[: self.keep_last]) | {newest}
             for step in self.all_steps():
-                if step not in keep:
+                if step not in keep and step < newest:
                     self.storage.delete(mf.directory(step))
         except Exception as error:  # the new checkpoint is complete: that is what counts
             logger.warning("checkpoint %s saved, but older ones not removed: %s", newest, error)
