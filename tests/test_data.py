@@ -160,10 +160,11 @@ def test_state_is_plain_and_resumes_at_another_world_size() -> None:
         "seed": 5,
         "shuffle": True,
         "length": 30,
+        "steps": 1,
     }
     resumed = ElasticSampler(range(30), rank=1, world_size=3, seed=5)
     resumed.load_state_dict(state)
-    assert (resumed.epoch, resumed.consumed) == (2, 12)
+    assert (resumed.epoch, resumed.consumed, resumed.steps) == (2, 12, 1)
     assert list(resumed) == sampler.order()[13::3]
 
 

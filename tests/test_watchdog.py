@@ -66,17 +66,29 @@ def test_heartbeats_are_rate_limited(
 
 
 @pytest.mark.parametrize("timeout", [None, "0", "soon"])
-def test_without_a_watchdog_a_heartbeat_sends_nothing(
+def test_without_a_watchdog_a_heartbeat_still_tells_the_step(
     received: queue.Queue[dict[str, Any]], monkeypatch: pytest.MonkeyPatch, timeout: str | None
 ) -> None:
+    """The agent accounts goodput by the steps, watchdog or not."""
     if timeout is None:
         monkeypatch.delenv(progress.ENV, raising=False)
     else:
         monkeypatch.setenv(progress.ENV, timeout)
-    rallypoint.heartbeat()
-    monkeypatch.setenv(progress.ENV, "5")
-    rallypoint.heartbeat()  # a marker: had the first been sent, it would come first
-    assert received.get(timeout=10)["sent"] > 0
+    rallypoint.heartbeat(step=7)
+    assert received.get(timeout=10)["step"] == 7
+
+
+def test_a_new_step_is_not_held_back_by_the_rate_limit(
+    received: queue.Queue[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = SimpleNamespace(monotonic=lambda: 1000.0)
+    monkeypatch.setattr(progress, "time", clock)
+    monkeypatch.setattr(progress, "_last_step", None)
+    rallypoint.heartbeat(step=1)
+    rallypoint.heartbeat(step=1)  # the same step, at once: held back
+    clock.monotonic = lambda: 1000.05  # under the 0.1 s gap, but a new step
+    rallypoint.heartbeat(step=2)
+    assert [received.get(timeout=10)["step"] for _ in range(2)] == [1, 2]
     assert received.empty()
 
 

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from rallypoint.worker.progress import heartbeat
+
 #: Version of the ``state_dict()`` layout, kept in it for future changes.
 STATE_VERSION = 1
 
@@ -84,6 +86,9 @@ class ElasticSampler(Sampler[int]):
         self.drop_last = drop_last
         self.epoch = 0
         self._consumed = 0
+        #: Batches advanced over every epoch and restart (kept in ``state_dict``): the
+        #: training step, as the agent counts it.
+        self.steps = 0
         self._order: tuple[int, torch.Tensor] | None = None
 
     # -- position in the epoch
@@ -117,6 +122,8 @@ class ElasticSampler(Sampler[int]):
                 f"advance(batch_size={batch_size}, steps={steps}): both must be non-negative."
             )
         self._consumed = min(self.length, self._consumed + self.world_size * batch_size * steps)
+        self.steps += steps
+        heartbeat(step=self.steps - 1)  # the agent's account: the step just done
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its first sample, unless it is the current epoch.
@@ -179,6 +186,7 @@ class ElasticSampler(Sampler[int]):
             "seed": self.seed,
             "shuffle": self.shuffle,
             "length": self.length,
+            "steps": self.steps,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -202,6 +210,7 @@ class ElasticSampler(Sampler[int]):
             )
         self.epoch = int(state["epoch"])
         self.consumed = int(state["consumed"])
+        self.steps = int(state.get("steps", 0))  # saved by rallypoint 0.1 without it
 
 
 def _env_int(name: str, default: int) -> int:

@@ -19,6 +19,7 @@ AGENT_STARTED = "agent_started"
 RENDEZVOUS_STARTED = "rendezvous_started"
 RENDEZVOUS_COMPLETED = "rendezvous_completed"
 WORKERS_STARTED = "workers_started"
+#: A ``WorkerFailure``'s fields, and ``detected``: when the agent noticed it (wall time).
 WORKER_FAILED = "worker_failed"
 WORKERS_RESTARTED = "workers_restarted"
 SCALE_CHANGED = "scale_changed"
@@ -26,6 +27,14 @@ SCALE_CHANGED = "scale_changed"
 #: ``nodes_waiting``. Never sent on a one-node job; a completed round means none wait.
 NODES_WAITING = "nodes_waiting"
 AGENT_STOPPING = "agent_stopping"
+#: The step this node's workers reached (``rallypoint.heartbeat(step=...)``, a checkpoint
+#: save, the ``ElasticSampler``, ``rallypoint.metrics.step``): ``step``, and
+#: ``step_seconds`` (the median time of a step here lately) once two steps are known.
+#: At most one every 2 s while the step moves, and one when the workers stop.
+PROGRESS = "progress"
+#: A node's workers step markedly slower than the round's others: ``node``,
+#: ``step_seconds``, ``median_seconds`` (the round's), ``ratio``.
+STRAGGLER = "straggler"
 #: Sent by workers (``rallypoint.checkpoint``) through their agent: ``step``, ``seconds``,
 #: ``bytes``, ``rank``; saves add ``blocked_seconds`` and ``asynchronous``, loads ``skipped``.
 CHECKPOINT_SAVED = "checkpoint_saved"

@@ -44,6 +44,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from rallypoint.worker import env
+from rallypoint.worker.progress import heartbeat
 
 __all__ = [
     "ENV",
@@ -355,7 +356,9 @@ def histogram(
 
 
 def step(value: int) -> None:
-    """The training step this worker has reached (``rallypoint_training_step``)."""
+    """The training step this worker has reached (``rallypoint_training_step``); the
+    agent learns it too (``rallypoint.heartbeat(step=...)``)."""
+    heartbeat(step=value)
     gauge("rallypoint_training_step", "Training step the worker has reached.").set(value)
 
 

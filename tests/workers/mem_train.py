@@ -3,6 +3,10 @@ state asynchronously after it (to node memory under ``--checkpoint-memory``).
 
 Usage: mem_train.py STEPS [--step-seconds S] [--kill-rank R --kill-at STEP]
        [--tear-at STEP] [--damage-at STEP] [--stop-file PATH] [--megabytes MB]
+       [--save-every N]
+
+With ``--save-every N`` rank 0 saves after every N-th step only, and every rank tells its
+agent each step (``rallypoint.heartbeat(step=...)``).
 
 Only a fresh start (nothing loaded) kills: rank R SIGKILLs itself in step STEP, after
 its all-reduce (so rank 0 has saved the step before, and may be saving this one);
@@ -21,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import rallypoint
 from rallypoint import checkpoint
 
 parser = argparse.ArgumentParser()
@@ -32,6 +37,7 @@ parser.add_argument("--tear-at", type=int, default=-1)
 parser.add_argument("--damage-at", type=int, default=-1)
 parser.add_argument("--stop-file", default="")
 parser.add_argument("--megabytes", type=float, default=0.01)
+parser.add_argument("--save-every", type=int, default=1)
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -62,7 +68,9 @@ for step in range(start, args.steps):
     if fresh and rank == args.kill_rank and step == args.kill_at:
         die()  # after the all-reduce: rank 0's save of the step before has returned
     state["w"] += 1
-    if rank == 0:
+    if args.save_every > 1:
+        rallypoint.heartbeat(step=step)
+    if rank == 0 and (step + 1) % args.save_every == 0:
         checkpoint.save(state, step, asynchronous=True)
         if fresh and step == args.tear_at:
             for pid in os.listdir(Path(memory) / "writers"):  # the writer of this step

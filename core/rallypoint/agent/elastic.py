@@ -48,6 +48,7 @@ from rallypoint.agent.keeper import Keeper
 from rallypoint.agent.logs import STDERR, STDOUT, AttemptLogs, TorchLogsSpecs, default_logs
 from rallypoint.agent.memory import NodeMemory
 from rallypoint.agent.oom import cgroup_kills, oom_killed
+from rallypoint.agent.progress import Progress
 from rallypoint.agent.rendezvous import create_handler
 from rallypoint.agent.restarts import FAILURE, MEMBERSHIP, Failure, Restarts, lost_nodes
 from rallypoint.agent.warm import WarmStart
@@ -112,10 +113,9 @@ class Agent:
             if hasattr(self.handler, "offer"):  # the protocol's: the round carries offers
                 self.handler.offer = self.memory.offer
         # Workers report checkpoint saves and loads here; they reach the bus like ours.
-        # Their heartbeats go to the watchdog only.
-        self._worker_events = Receiver(
-            self._worker_event, heartbeat=None if self.watchdog is None else self.watchdog.beat
-        )
+        # Their heartbeats (the step reached) go to progress, and on to the watchdog.
+        self.progress = Progress(None if self.watchdog is None else self.watchdog.beat)
+        self._worker_events = Receiver(self._worker_event, heartbeat=self.progress.beat)
         self._kept: Keeper | None = None  # started with the first rendezvous: see _keeper
         self.warm = WarmStart(config, lambda: self.signalled is not None)
         self._oom_kills: int | None = None  # the memory cgroup's OOM kills at the last start
@@ -226,6 +226,8 @@ class Agent:
             except BaseException:
                 group.stop(signal.SIGTERM, config.shutdown_timeout)  # e.g. the store is gone
                 raise
+            finally:
+                self._report_progress(final=True)  # the step the attempt reached
             if outcome is Outcome.SUCCEEDED:
                 return self._finish(group)
             if outcome is Outcome.SIGNALLED:
@@ -467,8 +469,10 @@ class Agent:
                 zip(environments, logs.workers, strict=True)
             )
         ]
+        now = time.monotonic()
+        self.progress.watch(now)
         if self.watchdog is not None:
-            self.watchdog.watch(time.monotonic())
+            self.watchdog.watch(now)
         self._oom_kills = cgroup_kills()  # a kill counted after this is one of ours
         keeper = self._keeper()
         group = WorkerGroup.start(keeper, self.warm.spawn, specs, logs.filtered, config.role)
@@ -532,12 +536,18 @@ class Agent:
                 self.bus.emit(events.NODES_WAITING, nodes_waiting=waiting)
             if waiting > 0:
                 return Outcome.MEMBERSHIP_CHANGED
+            self._report_progress()
             timeout = self.config.monitor_interval
             if self.watchdog is not None:
                 ranks = [w.spec.local_rank for w in group.running()]
                 timeout = min(timeout, self.watchdog.seconds_left(ranks, time.monotonic()))
             group.wait(timeout, self._wake_read.fileno())
             self._drain_wakeups()
+
+    def _report_progress(self, *, final: bool = False) -> None:
+        data = self.progress.due(time.monotonic(), final=final)
+        if data is not None:
+            self.bus.emit(events.PROGRESS, **data)
 
     def _kill_stalled(self, group: WorkerGroup) -> bool:
         """Kill the running workers the watchdog finds overdue; return whether there were any."""
@@ -566,6 +576,7 @@ class Agent:
         failing too, and may be the root cause: it gets a moment to exit on its own, so
         that its own exit code, not our SIGTERM, is reported.
         """
+        detected = time.time()  # the failure noticed: its detection ends, the restart begins
         exited = [w for w in group.workers if w.returncode not in (None, 0)]
         first = min((_failed_at(w, math.inf) for w in exited), default=math.inf)
         # One whose traceback began after the first failure is its consequence (a peer
@@ -595,7 +606,7 @@ class Agent:
             max_restarts=self.config.max_restarts,
         )
         for failure in sorted(failures, key=lambda f: (f is not report.root, f.timestamp)):
-            self.bus.emit(events.WORKER_FAILED, failure)  # the root cause first
+            self.bus.emit(events.WORKER_FAILED, failure, detected=detected)  # root cause first
         return report
 
     def _report(self, report: FailureReport, reason: str) -> None:

@@ -160,6 +160,7 @@ class Checkpointer:
                 asynchronous save that fails logs the error at once and raises it from the
                 next ``save`` or ``wait``, unless a newer save is complete by then.
         """
+        progress.heartbeat(step=step)  # every rank: the step is what the agent accounts by
         if self.rank != 0:
             return
         began = time.perf_counter()

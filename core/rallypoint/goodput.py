@@ -1,0 +1,587 @@
+"""Goodput: where every second of a job went, from its agents' event logs.
+
+Each node's time, from its agent's first event to its last, is split into phases:
+
+- ``startup``: the agent and its first workers starting, up to their first step;
+- ``rendezvous``: waiting for nodes and forming a round;
+- ``training``: steps that stayed done (the productive time: goodput is its share);
+- ``checkpoint``: training held up by a save (its ``blocked_seconds``, on every node);
+- ``detection``: from a worker's failure to the agent noticing it;
+- ``restart``: stopping the workers and starting new ones, up to their first step;
+- ``loading``: the workers loading the checkpoint they resume from;
+- ``redone``: training after a restart up to the step the job had reached before it
+  (counted lost: those steps were done already);
+- ``stopping``: the workers done, the agent leaving.
+
+Steps come from the workers' progress (``progress`` events, checkpoint saves and loads;
+see ``rallypoint.heartbeat``). A script that reports none is accounted at phase level only:
+its redone time is counted as training, and ``Account.steps_known`` says so.
+
+One ``account`` serves every reader: ``rallypoint report``, the Prometheus sink (live:
+``now`` ends the open phase) and the goodput benchmark.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rallypoint import events as ev
+from rallypoint.errors import UsageError
+
+STARTUP = "startup"
+RENDEZVOUS = "rendezvous"
+TRAINING = "training"
+CHECKPOINT = "checkpoint"
+DETECTION = "detection"
+RESTART = "restart"
+LOADING = "loading"
+REDONE = "redone"
+STOPPING = "stopping"
+#: Every phase, in the order a job goes through them.
+PHASES = (STARTUP, RENDEZVOUS, TRAINING, CHECKPOINT, DETECTION, RESTART, LOADING, REDONE, STOPPING)
+#: The cause of a round ended by the job's nodes changing (a node lost, or one joining).
+MEMBERSHIP = "membership"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``start`` to ``end`` (wall time) of one node, spent in ``phase``."""
+
+    start: float
+    end: float
+    phase: str
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class Attempt:
+    """One round's workers on one node: when they ran, and the steps they reported."""
+
+    round: int
+    start: float
+    world_size: int = 0
+    end: float | None = None
+    marks: list[tuple[float, int]] = field(default_factory=list)  # (wall time, step)
+    loaded: int | None = None  # the step it resumed from (a checkpoint load)
+    load: tuple[float, float] | None = None  # when it loaded (start, end)
+    failure: tuple[str, float, float] | None = None  # (cause, failed at, noticed at)
+    succeeded: bool = False
+
+    def reached(self) -> int | None:
+        return max((step for _, step in self.marks), default=None)
+
+
+@dataclass
+class Node:
+    """One agent's account: its segments, rounds, saves and loads."""
+
+    node: str
+    host: str
+    segments: list[Segment]
+    attempts: list[Attempt]
+    saves: list[tuple[float, int]]  # (wall time, step)
+    loads: list[tuple[float, int, str]]  # (wall time, step, source)
+    start: float
+    end: float
+
+    def seconds(self, phase: str) -> float:
+        return sum(s.seconds for s in self.segments if s.phase == phase)
+
+
+@dataclass(frozen=True)
+class Incident:
+    """A round the job left for a failure: the first failure of it, on any node."""
+
+    round: int
+    at: float
+    node: str
+    cause: str
+    detect_seconds: float | None  # from the failure to its agent noticing it
+    recover_seconds: float | None  # from the failure to the workers' first step after it
+    steps_redone: int | None
+
+
+@dataclass
+class Account:
+    """The job's account: every node's, and the sums."""
+
+    nodes: list[Node]
+    incidents: list[Incident]
+    stragglers: list[dict[str, Any]]
+    steps_known: bool
+    skipped_lines: int = 0
+
+    @property
+    def phases(self) -> dict[str, float]:
+        """Node-seconds per phase, every phase named."""
+        return {phase: sum(node.seconds(phase) for node in self.nodes) for phase in PHASES}
+
+    @property
+    def total(self) -> float:
+        return sum(node.end - node.start for node in self.nodes)
+
+    @property
+    def wall(self) -> float:
+        """Seconds from the job's first event to its last."""
+        if not self.nodes:
+            return 0.0
+        return max(n.end for n in self.nodes) - min(n.start for n in self.nodes)
+
+    @property
+    def goodput(self) -> float | None:
+        """Productive training over all node-time (None without any)."""
+        total = self.total
+        return self.phases[TRAINING] / total if total > 0 else None
+
+    @property
+    def steps_redone(self) -> int:
+        return sum(i.steps_redone or 0 for i in self.incidents)
+
+    def to_json(self) -> dict[str, Any]:
+        """What ``rallypoint report --json`` prints."""
+        recover = [i.recover_seconds for i in self.incidents if i.recover_seconds is not None]
+        return {
+            "goodput": self.goodput,
+            "wall_seconds": self.wall,
+            "node_seconds": self.total,
+            "phases": self.phases,
+            "steps_known": self.steps_known,
+            "steps_redone": self.steps_redone,
+            "failures": len(self.incidents),
+            "failures_by_cause": self.causes(),
+            "mean_time_between_failures": self.mtbf(),
+            "recover_seconds": {
+                "mean": statistics.fmean(recover) if recover else None,
+                "worst": max(recover) if recover else None,
+            },
+            "incidents": [vars(i) for i in self.incidents],
+            "stragglers": self.stragglers,
+            "nodes": [
+                {
+                    "node": n.node,
+                    "host": n.host,
+                    "start": n.start,
+                    "end": n.end,
+                    "phases": {phase: n.seconds(phase) for phase in PHASES},
+                    "rounds": [
+                        {
+                            "round": a.round,
+                            "start": a.start,
+                            "end": a.end,
+                            "world_size": a.world_size,
+                        }
+                        for a in n.attempts
+                    ],
+                    "segments": [[s.start, s.end, s.phase] for s in n.segments],
+                    "saves": n.saves,
+                    "loads": n.loads,
+                }
+                for n in self.nodes
+            ],
+            "skipped_lines": self.skipped_lines,
+        }
+
+    def causes(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for incident in self.incidents:
+            counts[incident.cause] = counts.get(incident.cause, 0) + 1
+        return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+    def mtbf(self) -> float | None:
+        """Mean time between failures: the job's wall time over its failures."""
+        return self.wall / len(self.incidents) if self.incidents else None
+
+
+# --- reading ------------------------------------------------------------------------------
+
+
+def read(paths: Sequence[str | Path]) -> tuple[list[dict[str, Any]], int]:
+    """The events of the logs at ``paths`` (files, or directories of ``*.jsonl``), and how
+    many lines were not events (a line cut short when an agent was killed, say).
+
+    Raises:
+        UsageError: a path that does not exist, or holds no event at all, in one sentence.
+    """
+    files: list[Path] = []
+    for given in paths:
+        path = Path(given)
+        if path.is_dir():
+            found = sorted(path.rglob("*.jsonl"))
+            if not found:
+                raise UsageError(f"{path} holds no event log (*.jsonl)")
+            files += found
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise UsageError(f"{path}: no such event log")
+    records: list[dict[str, Any]] = []
+    skipped = 0
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except OSError as error:
+            raise UsageError(f"cannot read {path}: {error.strerror or error}") from None
+        for line in text.splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                skipped += bool(line.strip())
+                continue
+            if isinstance(record, dict) and _event(record):
+                records.append(record)
+            else:
+                skipped += 1
+    if not records:
+        raise UsageError(
+            f"{', '.join(map(str, paths))}: no rallypoint event in it "
+            "(write one with rallypoint run --event-log FILE)"
+        )
+    return records, skipped
+
+
+def _event(record: Mapping[str, Any]) -> bool:
+    return (
+        isinstance(record.get("event"), str)
+        and isinstance(record.get("node"), str)
+        and _number(record.get("wall_time"))
+    )
+
+
+# --- accounting ---------------------------------------------------------------------------
+
+
+def account(records: Iterable[Mapping[str, Any]], now: float | None = None) -> Account:
+    """The account of the events ``records`` (any nodes, any order). ``now``: the wall time
+    a live account ends at (the open phase of each node lasts until then); else each node
+    ends at its last event."""
+    by_node: dict[str, list[Mapping[str, Any]]] = {}
+    for record in records:
+        if _event(record):
+            by_node.setdefault(str(record["node"]), []).append(record)
+    nodes = [
+        _timeline(sorted(rs, key=lambda r: float(r["wall_time"])), now) for rs in by_node.values()
+    ]
+    nodes.sort(key=lambda n: (n.start, n.node))
+    marks = sorted((t, step) for n in nodes for a in n.attempts for t, step in a.marks)
+    steps_known = bool(marks)
+    stalls = _stalls(r for rs in by_node.values() for r in rs)
+    redone: dict[int, int] = {}  # round -> steps redone in it
+    for node in nodes:
+        for attempt in node.attempts:
+            _paint_attempt(node, attempt, marks, redone)
+        for start, end in stalls:
+            _paint(node.segments, start, end, CHECKPOINT)
+        node.segments = _merged(node.segments)
+    incidents = _incidents(nodes, redone)
+    stragglers = [dict(r) for rs in by_node.values() for r in rs if r.get("event") == ev.STRAGGLER]
+    return Account(nodes, incidents, stragglers, steps_known)
+
+
+def _timeline(records: list[Mapping[str, Any]], now: float | None) -> Node:
+    """One node's base segments (training not yet split) and attempts."""
+    first = float(records[0]["wall_time"])
+    segments: list[Segment] = []
+    attempts: list[Attempt] = []
+    saves: list[tuple[float, int]] = []
+    loads: list[tuple[float, int, str]] = []
+    state, since = STARTUP, first
+    attempt: Attempt | None = None
+    stopped = False
+
+    def close(at: float, next_state: str) -> None:
+        nonlocal state, since
+        at = max(at, since)
+        if at > since:
+            segments.append(Segment(since, at, state))
+        state, since = next_state, at
+
+    for record in records:
+        name, at = record["event"], float(record["wall_time"])
+        if stopped:
+            break
+        if name == ev.RENDEZVOUS_STARTED:
+            if attempt is not None and attempt.end is None:
+                attempt.end = at
+            close(at, RENDEZVOUS)
+        elif name == ev.RENDEZVOUS_COMPLETED:
+            close(at, RESTART if attempts else STARTUP)
+        elif name == ev.WORKERS_STARTED:
+            close(at, TRAINING)
+            attempt = Attempt(_int(record.get("round")), at, _int(record.get("world_size")))
+            attempts.append(attempt)
+        elif name in (ev.PROGRESS, ev.CHECKPOINT_SAVED) and attempt is not None:
+            step = _get(record, "step")
+            if step is not None and attempt.end is None:
+                attempt.marks.append((at, int(step)))
+            if name == ev.CHECKPOINT_SAVED and step is not None:
+                saves.append((at, int(step)))
+        elif name == ev.CHECKPOINT_LOADED and attempt is not None:
+            step = _get(record, "step")
+            if step is not None:
+                attempt.loaded = int(step)
+                loads.append((at, int(step), str(record.get("source") or "durable")))
+                start = max(attempt.start, at - (_get(record, "seconds") or 0.0))
+                attempt.load = (min(start, attempt.load[0]) if attempt.load else start, at)
+        elif name == ev.WORKER_FAILED and attempt is not None and attempt.failure is None:
+            failed = _get(record, "timestamp") or at
+            noticed = _get(record, "detected") or at
+            failed = min(max(failed, attempt.start), at)
+            noticed = min(max(noticed, failed), at)
+            attempt.failure = (_cause(record), failed, noticed)
+            attempt.end = failed
+            if state == TRAINING:
+                close(failed, DETECTION)
+                close(noticed, RESTART)
+        elif name == ev.WORKERS_RESTARTED:
+            if attempt is not None and attempt.end is None:
+                attempt.end = at
+                if record.get("cause") == MEMBERSHIP:
+                    attempt.failure = (MEMBERSHIP, at, at)
+            close(at, RESTART)
+        elif name == ev.AGENT_STOPPING:
+            if attempt is not None and attempt.end is None:
+                attempt.end = at
+                attempt.succeeded = record.get("exit_code") == 0
+            close(at, STOPPING)
+            stopped = True
+    last = float(records[-1]["wall_time"])
+    end = last if stopped or now is None else max(last, now)
+    close(end, state)
+    host = str(records[0].get("host") or "")
+    return Node(str(records[0]["node"]), host, segments, attempts, saves, loads, first, end)
+
+
+def _paint_attempt(
+    node: Node, attempt: Attempt, marks: list[tuple[float, int]], redone: dict[int, int]
+) -> None:
+    """Split one attempt's training: start-up (or restart) until its first step, the load,
+    then steps redone until the job's step before this attempt is reached again."""
+    end = attempt.end if attempt.end is not None else node.end
+    if not attempt.marks:
+        return  # no steps: all training, as far as anyone can tell
+    before = [m for m in marks if m[0] < attempt.start]
+    first_node_attempt = attempt is node.attempts[0] and not before
+    getting_ready = STARTUP if first_node_attempt else RESTART
+    # Training begins when the checkpoint is loaded, or one step before the first step.
+    first_at = attempt.marks[0][0]
+    if attempt.load is not None:
+        _paint(node.segments, attempt.start, attempt.load[0], getting_ready)
+        _paint(node.segments, attempt.load[0], attempt.load[1], LOADING)
+        began = attempt.load[1]
+    else:
+        began = max(attempt.start, first_at - _step_seconds(attempt.marks))
+        _paint(node.segments, attempt.start, began, getting_ready)
+    target = max((step for _, step in before), default=None)
+    if target is None:
+        return
+    resumed = attempt.loaded if attempt.loaded is not None else -1
+    redone[attempt.round] = max(redone.get(attempt.round, 0), target - resumed, 0)
+    if resumed >= target:
+        return
+    _paint(node.segments, began, min(end, _time_of(attempt.marks, target, end)), REDONE)
+
+
+def _time_of(marks: list[tuple[float, int]], step: int, default: float) -> float:
+    """When ``step`` was reached, from the marks either side of it."""
+    previous: tuple[float, int] | None = None
+    for at, reached in marks:
+        if reached >= step:
+            if previous is None or reached == previous[1]:
+                return at
+            share = (step - previous[1]) / (reached - previous[1])
+            return previous[0] + share * (at - previous[0])
+        previous = (at, reached)
+    return default
+
+
+def _step_seconds(marks: list[tuple[float, int]]) -> float:
+    if len(marks) < 2 or marks[-1][1] == marks[0][1]:
+        return 0.0
+    return (marks[-1][0] - marks[0][0]) / (marks[-1][1] - marks[0][1])
+
+
+def _stalls(records: Iterable[Mapping[str, Any]]) -> list[tuple[float, float]]:
+    """When saves held training up: each save's ``blocked_seconds`` from its start."""
+    stalls = []
+    for record in records:
+        if record.get("event") != ev.CHECKPOINT_SAVED:
+            continue
+        seconds, blocked = _get(record, "seconds"), _get(record, "blocked_seconds")
+        if seconds is None or blocked is None or blocked <= 0:
+            continue
+        start = float(record["wall_time"]) - seconds
+        stalls.append((start, start + blocked))
+    return sorted(stalls)
+
+
+def _paint(segments: list[Segment], start: float, end: float, phase: str) -> None:
+    """Give ``phase`` to the training time of ``segments`` between ``start`` and ``end``."""
+    if end <= start:
+        return
+    starts = [s.start for s in segments]
+    index = max(0, bisect.bisect_right(starts, start) - 1)
+    while index < len(segments) and segments[index].start < end:
+        segment = segments[index]
+        if segment.phase != TRAINING or segment.end <= start:
+            index += 1
+            continue
+        parts = [
+            Segment(segment.start, max(segment.start, start), TRAINING),
+            Segment(max(segment.start, start), min(segment.end, end), phase),
+            Segment(min(segment.end, end), segment.end, TRAINING),
+        ]
+        parts = [p for p in parts if p.end > p.start]
+        segments[index : index + 1] = parts
+        index += len(parts)
+
+
+def _merged(segments: list[Segment]) -> list[Segment]:
+    """Neighbours in the same phase made one."""
+    merged: list[Segment] = []
+    for segment in segments:
+        if merged and merged[-1].phase == segment.phase and merged[-1].end >= segment.start:
+            merged[-1] = Segment(merged[-1].start, segment.end, segment.phase)
+        else:
+            merged.append(segment)
+    return merged
+
+
+def _incidents(nodes: list[Node], redone: dict[int, int]) -> list[Incident]:
+    """One per round left for a failure: its earliest failure over the nodes."""
+    by_round: dict[int, list[tuple[Node, Attempt]]] = {}
+    for node in nodes:
+        for attempt in node.attempts:
+            by_round.setdefault(attempt.round, []).append((node, attempt))
+    rounds = sorted(by_round)
+    incidents = []
+    for position, round_ in enumerate(rounds):
+        failed = [(n, a) for n, a in by_round[round_] if a.failure is not None]
+        if not failed:
+            continue
+        # A worker's failure is the cause; a membership change only when no worker failed.
+        node, attempt = min(
+            failed,
+            key=lambda na: (na[1].failure[0] == MEMBERSHIP, na[1].failure[1]),  # type: ignore[index]
+        )
+        assert attempt.failure is not None
+        cause, at, noticed = attempt.failure
+        later = [a for r in rounds[position + 1 :] for _, a in by_round[r]]
+        resumed = [a.marks[0][0] for a in later if a.marks and a.marks[0][0] > at]
+        incidents.append(
+            Incident(
+                round=round_,
+                at=at,
+                node=node.node,
+                cause=cause,
+                detect_seconds=None if cause == MEMBERSHIP else noticed - at,
+                recover_seconds=min(resumed) - at if resumed else None,
+                steps_redone=redone.get(rounds[position + 1])
+                if position + 1 < len(rounds)
+                else None,
+            )
+        )
+    return incidents
+
+
+def _cause(record: Mapping[str, Any]) -> str:
+    """A failure's cause in a word or two: ``SIGKILL``, ``exit code 1``, ``out of memory``,
+    ``watchdog``."""
+    if record.get("out_of_memory"):
+        return "out of memory"
+    if record.get("stalled_seconds") is not None:
+        return "watchdog"
+    if record.get("signal"):
+        return str(record["signal"])
+    code = record.get("exit_code")
+    return f"exit code {code}" if code is not None else "unknown"
+
+
+def _get(record: Mapping[str, Any], key: str) -> float | None:
+    """``record[key]`` when it is a finite number, else None."""
+    value: Any = record.get(key)
+    return float(value) if _number(value) else None
+
+
+def _int(value: Any) -> int:
+    return int(value) if _number(value) else 0
+
+
+def _number(value: object) -> bool:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(float(value))
+    )
+
+
+# --- the terminal summary ------------------------------------------------------------------
+
+
+def summary(account: Account) -> str:
+    """The report a terminal shows: goodput, time per phase, failures and recoveries."""
+    lines = []
+    goodput = account.goodput
+    nodes = len(account.nodes)
+    head = "goodput unknown (no time accounted)" if goodput is None else f"goodput {goodput:.1%}"
+    lines.append(
+        f"{head}: {nodes} node{'s' if nodes != 1 else ''}, {account.wall:.0f} s of wall time "
+        f"({account.total:.0f} node-seconds)"
+    )
+    if not account.steps_known:
+        lines.append(
+            "  the workers reported no steps (rallypoint.heartbeat(step=...), a checkpoint "
+            "save, the ElasticSampler or rallypoint.metrics.step): steps redone after a "
+            "restart count as training"
+        )
+    total = account.total or 1.0
+    lines.append("")
+    lines.append(f"  {'phase':<12}{'seconds':>10}{'share':>8}")
+    for phase, seconds in account.phases.items():
+        if seconds > 0 or phase == TRAINING:
+            lines.append(f"  {phase:<12}{seconds:>10.1f}{seconds / total:>8.1%}")
+    lines.append("")
+    incidents = account.incidents
+    if not incidents:
+        lines.append("no failures")
+    else:
+        causes = ", ".join(f"{cause} {count}" for cause, count in account.causes().items())
+        mtbf = account.mtbf()
+        lines.append(
+            f"failures: {len(incidents)} ({causes}); mean time between failures {mtbf:.0f} s"
+            if mtbf is not None
+            else f"failures: {len(incidents)} ({causes})"
+        )
+        recover = [i.recover_seconds for i in incidents if i.recover_seconds is not None]
+        if recover:
+            lines.append(
+                f"time to recover: mean {statistics.fmean(recover):.1f} s, "
+                f"worst {max(recover):.1f} s"
+            )
+        detect = [i.detect_seconds for i in incidents if i.detect_seconds is not None]
+        if detect:
+            lines.append(f"time to detect: mean {statistics.fmean(detect):.2f} s")
+        if account.steps_known:
+            lines.append(f"steps redone: {account.steps_redone}")
+    for straggler in account.stragglers:
+        lines.append(
+            f"straggler: node {straggler.get('node')} stepped in "
+            f"{_float(straggler.get('step_seconds')):.3f} s, "
+            f"{_float(straggler.get('ratio')):.1f}x the round's median"
+        )
+    if account.skipped_lines:
+        lines.append(f"({account.skipped_lines} lines of the logs were not events: skipped)")
+    return "\n".join(lines)
+
+
+def _float(value: Any) -> float:
+    return float(value) if _number(value) else math.nan
