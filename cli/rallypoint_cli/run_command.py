@@ -161,6 +161,12 @@ def register(app: typer.Typer, pm: PluginManager) -> None:
             "Copy every Nth memory checkpoint to --checkpoint-dir (default 10).",
         ),
         event_log: str | None = flag("event-log", None, "Append a JSON-lines log of every phase."),
+        straggler_factor: str | None = flag(
+            "straggler-factor",
+            None,
+            "Name a node whose workers work this many times longer per step than the "
+            "others' median (default 1.5; 0: never).",
+        ),
         watchdog_timeout: str | None = flag(
             "watchdog-timeout",
             None,

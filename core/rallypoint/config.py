@@ -124,6 +124,9 @@ class LaunchConfig:
     checkpoint_memory: int = 0
     checkpoint_memory_keep: int = 1
     checkpoint_persist_every: int = 10
+    #: ``--straggler-factor``: a node whose workers' CPU time per step is above this many
+    #: times the median of the round's other nodes is named a straggler (0: never).
+    straggler_factor: float = 1.5
     #: What the agent tells the user once at start (a torch key with no effect here).
     notes: tuple[str, ...] = ()
 
@@ -632,6 +635,7 @@ _NUMBERS: tuple[tuple[str, str, type, float, bool], ...] = (
     ("watchdog_timeout", "--watchdog-timeout", float, 0, False),
     ("checkpoint_memory_keep", "--checkpoint-memory-keep", int, 1, False),
     ("checkpoint_persist_every", "--checkpoint-persist-every", int, 1, False),
+    ("straggler_factor", "--straggler-factor", float, 0, False),
 )
 
 
@@ -652,6 +656,13 @@ def _parse_numbers(values: dict[str, Any]) -> None:
             bound = f"above {low:g}" if exclusive else f"at least {low:g}"
             raise UsageError(f"{flag} {raw!r}: must be {bound}.")
         values[key] = number
+    if values.get("straggler_factor", 1.5) is None:
+        values.pop("straggler_factor")  # not given: the default
+    elif 0 < values.get("straggler_factor", 1.5) <= 1:
+        raise UsageError(
+            f"--straggler-factor {values['straggler_factor']:g}: must be above 1 (how many "
+            "times slower than the others a straggler is), or 0 to name none."
+        )
     if values.get("watchdog_timeout") == 0:
         values["watchdog_timeout"] = None  # 0 turns the watchdog off, like leaving it unset
     for key in ("master_port", "metrics_port"):

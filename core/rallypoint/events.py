@@ -32,8 +32,9 @@ AGENT_STOPPING = "agent_stopping"
 #: ``step_seconds`` (the median time of a step here lately) once two steps are known.
 #: At most one every 2 s while the step moves, and one when the workers stop.
 PROGRESS = "progress"
-#: A node's workers step markedly slower than the round's others: ``node``,
-#: ``step_seconds``, ``median_seconds`` (the round's), ``ratio``.
+#: This node's workers work markedly longer per step than the round's others (see
+#: ``rallypoint.agent.stragglers``): ``node``, ``pace`` (its workers' CPU seconds per step),
+#: ``median`` (the other nodes' median pace), ``ratio``. Once per round.
 STRAGGLER = "straggler"
 #: Sent by workers (``rallypoint.checkpoint``) through their agent: ``step``, ``seconds``,
 #: ``bytes``, ``rank``; saves add ``blocked_seconds`` and ``asynchronous``, loads ``skipped``.

@@ -289,6 +289,8 @@ class RestartRequest:
             default empty.
         attempt_uptimes: how long each failed attempt of this run ran, in seconds, oldest
             first; the last one is the attempt that just failed. Default empty.
+        stragglers: the node ids found to be stragglers in the attempt that failed (see
+            ``--straggler-factor``), this node's among them if it was one. Default empty.
     """
 
     restarts_done: int
@@ -296,6 +298,7 @@ class RestartRequest:
     failure: WorkerFailure | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
     attempt_uptimes: tuple[float, ...] = ()
+    stragglers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -351,12 +354,17 @@ class NodeSpec:
             given twice keeps its last value). Empty by default; read-only to assigners.
         previous_rank: its group rank in the previous round, ``None`` if it is new (and in
             the first round); default ``None``.
+        pace: the CPU seconds its workers spent per step in its last round (how
+            stragglers are found, see ``--straggler-factor``), ``None`` if it is new or
+            its workers reported no steps; default ``None``. An assigner may place the
+            slowest nodes last, for example.
     """
 
     node_id: str
     host: str = ""
     labels: Mapping[str, str] = field(default_factory=dict)
     previous_rank: int | None = None
+    pace: float | None = None
 
 
 @dataclass(frozen=True)

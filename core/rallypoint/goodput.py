@@ -289,76 +289,95 @@ def account(records: Iterable[Mapping[str, Any]], now: float | None = None) -> A
 
 def _timeline(records: list[Mapping[str, Any]], now: float | None) -> Node:
     """One node's base segments (training not yet split) and attempts."""
-    first = float(records[0]["wall_time"])
-    segments: list[Segment] = []
-    attempts: list[Attempt] = []
-    saves: list[tuple[float, int]] = []
-    loads: list[tuple[float, int, str]] = []
-    state, since = STARTUP, first
-    attempt: Attempt | None = None
-    stopped = False
-
-    def close(at: float, next_state: str) -> None:
-        nonlocal state, since
-        at = max(at, since)
-        if at > since:
-            segments.append(Segment(since, at, state))
-        state, since = next_state, at
-
+    node = _Builder(float(records[0]["wall_time"]))
     for record in records:
-        name, at = record["event"], float(record["wall_time"])
-        if stopped:
-            break
+        if node.add(record):
+            break  # the agent stopped: nothing of it comes after
+    last = float(records[-1]["wall_time"])
+    end = last if node.stopped or now is None else max(last, now)
+    node.close(end, node.state)
+    host = str(records[0].get("host") or "")
+    return Node(
+        str(records[0]["node"]), host, node.segments, node.attempts, node.saves, node.loads,
+        node.first, end,
+    )  # fmt: skip
+
+
+class _Builder:
+    """One node's segments, attempts, saves and loads, event by event."""
+
+    def __init__(self, first: float) -> None:
+        self.first = first
+        self.segments: list[Segment] = []
+        self.attempts: list[Attempt] = []
+        self.saves: list[tuple[float, int]] = []
+        self.loads: list[tuple[float, int, str]] = []
+        self.state, self.since = STARTUP, first
+        self.attempt: Attempt | None = None
+        self.stopped = False
+
+    def close(self, at: float, next_state: str) -> None:
+        """The current phase ends at ``at`` (never before it began); ``next_state`` begins."""
+        at = max(at, self.since)
+        if at > self.since:
+            self.segments.append(Segment(self.since, at, self.state))
+        self.state, self.since = next_state, at
+
+    def add(self, record: Mapping[str, Any]) -> bool:
+        """Take one event; whether it was the agent's last (``agent_stopping``)."""
+        name, at, attempt = record["event"], float(record["wall_time"]), self.attempt
         if name == ev.RENDEZVOUS_STARTED:
-            if attempt is not None and attempt.end is None:
-                attempt.end = at
-            close(at, RENDEZVOUS)
+            self._end_attempt(at)
+            self.close(at, RENDEZVOUS)
         elif name == ev.RENDEZVOUS_COMPLETED:
-            close(at, RESTART if attempts else STARTUP)
+            self.close(at, RESTART if self.attempts else STARTUP)
         elif name == ev.WORKERS_STARTED:
-            close(at, TRAINING)
-            attempt = Attempt(_int(record.get("round")), at, _int(record.get("world_size")))
-            attempts.append(attempt)
-        elif name in (ev.PROGRESS, ev.CHECKPOINT_SAVED) and attempt is not None:
+            self.close(at, TRAINING)
+            self.attempt = Attempt(_int(record.get("round")), at, _int(record.get("world_size")))
+            self.attempts.append(self.attempt)
+        elif attempt is None:
+            pass  # a worker's event before any workers: nothing to account it to
+        elif name in (ev.PROGRESS, ev.CHECKPOINT_SAVED):
             step = _get(record, "step")
             if step is not None and attempt.end is None:
                 attempt.marks.append((at, int(step)))
             if name == ev.CHECKPOINT_SAVED and step is not None:
-                saves.append((at, int(step)))
-        elif name == ev.CHECKPOINT_LOADED and attempt is not None:
-            step = _get(record, "step")
-            if step is not None:
-                attempt.loaded = int(step)
-                loads.append((at, int(step), str(record.get("source") or "durable")))
-                start = max(attempt.start, at - (_get(record, "seconds") or 0.0))
-                attempt.load = (min(start, attempt.load[0]) if attempt.load else start, at)
-        elif name == ev.WORKER_FAILED and attempt is not None and attempt.failure is None:
-            failed = _get(record, "timestamp") or at
-            noticed = _get(record, "detected") or at
-            failed = min(max(failed, attempt.start), at)
-            noticed = min(max(noticed, failed), at)
-            attempt.failure = (_cause(record), failed, noticed)
-            attempt.end = failed
-            if state == TRAINING:
-                close(failed, DETECTION)
-                close(noticed, RESTART)
+                self.saves.append((at, int(step)))
+        elif name == ev.CHECKPOINT_LOADED:
+            self._loaded(attempt, record, at)
+        elif name == ev.WORKER_FAILED and attempt.failure is None:
+            failed = min(max(_get(record, "timestamp") or at, attempt.start), at)
+            noticed = min(max(_get(record, "detected") or at, failed), at)
+            attempt.failure, attempt.end = (_cause(record), failed, noticed), failed
+            if self.state == TRAINING:
+                self.close(failed, DETECTION)
+                self.close(noticed, RESTART)
         elif name == ev.WORKERS_RESTARTED:
-            if attempt is not None and attempt.end is None:
-                attempt.end = at
-                if record.get("cause") == MEMBERSHIP:
-                    attempt.failure = (MEMBERSHIP, at, at)
-            close(at, RESTART)
-        elif name == ev.AGENT_STOPPING:
-            if attempt is not None and attempt.end is None:
-                attempt.end = at
+            if self._end_attempt(at) and record.get("cause") == MEMBERSHIP:
+                attempt.failure = (MEMBERSHIP, at, at)
+            self.close(at, RESTART)
+        if name == ev.AGENT_STOPPING:
+            if self._end_attempt(at) and attempt is not None:
                 attempt.succeeded = record.get("exit_code") == 0
-            close(at, STOPPING)
-            stopped = True
-    last = float(records[-1]["wall_time"])
-    end = last if stopped or now is None else max(last, now)
-    close(end, state)
-    host = str(records[0].get("host") or "")
-    return Node(str(records[0]["node"]), host, segments, attempts, saves, loads, first, end)
+            self.close(at, STOPPING)
+            self.stopped = True
+        return self.stopped
+
+    def _end_attempt(self, at: float) -> bool:
+        """End the running attempt at ``at``; whether there was one."""
+        if self.attempt is None or self.attempt.end is not None:
+            return False
+        self.attempt.end = at
+        return True
+
+    def _loaded(self, attempt: Attempt, record: Mapping[str, Any], at: float) -> None:
+        step = _get(record, "step")
+        if step is None:
+            return
+        attempt.loaded = int(step)
+        self.loads.append((at, int(step), str(record.get("source") or "durable")))
+        start = max(attempt.start, at - (_get(record, "seconds") or 0.0))
+        attempt.load = (min(start, attempt.load[0]) if attempt.load else start, at)
 
 
 def _paint_attempt(
@@ -574,9 +593,9 @@ def summary(account: Account) -> str:
             lines.append(f"steps redone: {account.steps_redone}")
     for straggler in account.stragglers:
         lines.append(
-            f"straggler: node {straggler.get('node')} stepped in "
-            f"{_float(straggler.get('step_seconds')):.3f} s, "
-            f"{_float(straggler.get('ratio')):.1f}x the round's median"
+            f"straggler: node {straggler.get('node')} worked "
+            f"{_float(straggler.get('pace')):.3f} s per step, "
+            f"{_float(straggler.get('ratio')):.1f}x the median of the others"
         )
     if account.skipped_lines:
         lines.append(f"({account.skipped_lines} lines of the logs were not events: skipped)")

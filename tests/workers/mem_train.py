@@ -3,10 +3,11 @@ state asynchronously after it (to node memory under ``--checkpoint-memory``).
 
 Usage: mem_train.py STEPS [--step-seconds S] [--kill-rank R --kill-at STEP]
        [--tear-at STEP] [--damage-at STEP] [--stop-file PATH] [--megabytes MB]
-       [--save-every N]
+       [--save-every N] [--busy-rank R --busy-seconds S]
 
-With ``--save-every N`` rank 0 saves after every N-th step only, and every rank tells its
-agent each step (``rallypoint.heartbeat(step=...)``).
+With ``--save-every N`` rank 0 saves after every N-th step only. Every rank tells its
+agent each step (``rallypoint.heartbeat(step=...)``). Rank R of ``--busy-rank`` computes
+S seconds more than the others before each step's all-reduce (a straggler).
 
 Only a fresh start (nothing loaded) kills: rank R SIGKILLs itself in step STEP, after
 its all-reduce (so rank 0 has saved the step before, and may be saving this one);
@@ -38,6 +39,8 @@ parser.add_argument("--damage-at", type=int, default=-1)
 parser.add_argument("--stop-file", default="")
 parser.add_argument("--megabytes", type=float, default=0.01)
 parser.add_argument("--save-every", type=int, default=1)
+parser.add_argument("--busy-rank", type=int, default=-1)
+parser.add_argument("--busy-seconds", type=float, default=0.0)
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -59,6 +62,10 @@ def die() -> None:
 
 
 for step in range(start, args.steps):
+    if rank == args.busy_rank:
+        busy_until = time.perf_counter() + args.busy_seconds
+        while time.perf_counter() < busy_until:
+            pass
     # Every rank stops at the same step: the all-reduce tells them all of the stop file.
     stop = float(bool(args.stop_file) and os.path.exists(args.stop_file))
     total = torch.tensor([1.0, stop])
@@ -68,8 +75,7 @@ for step in range(start, args.steps):
     if fresh and rank == args.kill_rank and step == args.kill_at:
         die()  # after the all-reduce: rank 0's save of the step before has returned
     state["w"] += 1
-    if args.save_every > 1:
-        rallypoint.heartbeat(step=step)
+    rallypoint.heartbeat(step=step)  # rank 0's save would say it too; the others' would not
     if rank == 0 and (step + 1) % args.save_every == 0:
         checkpoint.save(state, step, asynchronous=True)
         if fresh and step == args.tear_at:

@@ -51,6 +51,7 @@ from rallypoint.agent.oom import cgroup_kills, oom_killed
 from rallypoint.agent.progress import Progress
 from rallypoint.agent.rendezvous import create_handler
 from rallypoint.agent.restarts import FAILURE, MEMBERSHIP, Failure, Restarts, lost_nodes
+from rallypoint.agent.stragglers import Pace, stragglers
 from rallypoint.agent.warm import WarmStart
 from rallypoint.agent.watchdog import Watchdog
 from rallypoint.agent.workers import Worker, WorkerGroup, WorkerSpec
@@ -115,6 +116,11 @@ class Agent:
         # Workers report checkpoint saves and loads here; they reach the bus like ours.
         # Their heartbeats (the step reached) go to progress, and on to the watchdog.
         self.progress = Progress(None if self.watchdog is None else self.watchdog.beat)
+        self.pace = Pace()
+        self._stragglers: tuple[str, ...] = ()  # the nodes found slow in this attempt
+        self._named = False  # whether this node was named a straggler in this attempt
+        if config.straggler_factor and hasattr(self.handler, "pace"):  # the protocol's
+            self.handler.pace = self.pace.seconds
         self._worker_events = Receiver(self._worker_event, heartbeat=self.progress.beat)
         self._kept: Keeper | None = None  # started with the first rendezvous: see _keeper
         self.warm = WarmStart(config, lambda: self.signalled is not None)
@@ -227,7 +233,7 @@ class Agent:
                 group.stop(signal.SIGTERM, config.shutdown_timeout)  # e.g. the store is gone
                 raise
             finally:
-                self._report_progress(final=True)  # the step the attempt reached
+                self._report_progress(group, final=True)  # the step the attempt reached
             if outcome is Outcome.SUCCEEDED:
                 return self._finish(group)
             if outcome is Outcome.SIGNALLED:
@@ -373,6 +379,7 @@ class Agent:
                     failure=failure.report.root,
                     options=config.restart_conf,
                     attempt_uptimes=tuple(restarts.uptimes),
+                    stragglers=self._stragglers,
                 )
             )
         except Exception as error:  # a plugin's: the job ends, cleanly, on every node
@@ -471,6 +478,8 @@ class Agent:
         ]
         now = time.monotonic()
         self.progress.watch(now)
+        self.pace.reset()
+        self._stragglers, self._named = (), False
         if self.watchdog is not None:
             self.watchdog.watch(now)
         self._oom_kills = cgroup_kills()  # a kill counted after this is one of ours
@@ -536,7 +545,7 @@ class Agent:
                 self.bus.emit(events.NODES_WAITING, nodes_waiting=waiting)
             if waiting > 0:
                 return Outcome.MEMBERSHIP_CHANGED
-            self._report_progress()
+            self._report_progress(group)
             timeout = self.config.monitor_interval
             if self.watchdog is not None:
                 ranks = [w.spec.local_rank for w in group.running()]
@@ -544,10 +553,35 @@ class Agent:
             group.wait(timeout, self._wake_read.fileno())
             self._drain_wakeups()
 
-    def _report_progress(self, *, final: bool = False) -> None:
+    def _report_progress(self, group: WorkerGroup, *, final: bool = False) -> None:
+        """A ``progress`` event when one is due; then this node's pace, and stragglers."""
         data = self.progress.due(time.monotonic(), final=final)
-        if data is not None:
-            self.bus.emit(events.PROGRESS, **data)
+        if data is None:
+            return
+        self.bus.emit(events.PROGRESS, **data)
+        self.pace.sample(group.pids, data["step"])
+        factor = self.config.straggler_factor
+        paces = getattr(self.handler, "paces", None)
+        if not factor or paces is None or final:
+            return
+        found = stragglers({**paces(), **self._own_pace()}, factor)
+        self._stragglers = tuple(sorted(found))
+        mine = found.get(self.node_id)
+        if mine is not None and not self._named:
+            self._named = True
+            logger.warning(
+                "this node is a straggler: its workers work %.3f s per step, %.1f times the "
+                "median of the round's other nodes (%.3f s; --straggler-factor %g)",
+                mine["pace"],
+                mine["ratio"],
+                mine["median"],
+                factor,
+            )
+            self.bus.emit(events.STRAGGLER, **mine)
+
+    def _own_pace(self) -> dict[str, float]:
+        seconds = self.pace.seconds()
+        return {} if seconds is None else {self.node_id: seconds}
 
     def _kill_stalled(self, group: WorkerGroup) -> bool:
         """Kill the running workers the watchdog finds overdue; return whether there were any."""

@@ -174,6 +174,11 @@ class StoreRendezvous:
         #: Set by the agent: what this node offers the others in each round it joins
         #: (``NodeRecord.offer``); every member reads all of them (``Assignment.offers``).
         self.offer: Callable[[], Mapping[str, str]] | None = None
+        #: Set by the agent: this node's pace (its workers' CPU seconds per step), shared
+        #: with the round's other nodes on every heartbeat (``paces``), and put in the
+        #: record of each round it joins (``NodeSpec.pace``).
+        self.pace: Callable[[], float | None] | None = None
+        self._paces: dict[str, float] = {}
         low, high = settings.min_nodes, settings.max_nodes
         self._nnodes = str(low) if low == high else f"{low}:{high}"  # as --nnodes says it
         # Given (the static backend), else group rank 0's host and a free port it holds.
@@ -432,6 +437,7 @@ class StoreRendezvous:
             run_id=self.keys.run_id,
             nnodes=self._nnodes,
             offer=dict(self.offer()) if self.offer is not None else {},
+            pace=self.pace() if self.pace is not None else None,
         )
         self.store.set(self.keys.of_round(round_, "node", index), records.encode(mine))
         if index == 1:
@@ -647,7 +653,9 @@ class StoreRendezvous:
     def _form(self, round_: int, nodes: list[records.NodeRecord]) -> records.RoundRecord:
         """Order the joiners by the rank assigner's ranks."""
         specs = [
-            NodeSpec(n.node_id, host=n.host, labels=n.labels, previous_rank=n.previous_rank)
+            NodeSpec(
+                n.node_id, host=n.host, labels=n.labels, previous_rank=n.previous_rank, pace=n.pace
+            )
             for n in nodes
         ]
         who = describe(RANK_ASSIGNERS, self.assigner)
@@ -740,6 +748,7 @@ class StoreRendezvous:
     def _assignment(self, record: records.RoundRecord) -> Assignment:
         self.round = record.round
         self.record = record
+        self._paces = {}  # the last round's: shared again in this one
         self.rank = record.node_ids.index(self.node.node_id)
         if self.rank != 0 and self._port is not None:
             self._port.release()  # only group rank 0's port is used
@@ -807,6 +816,7 @@ class StoreRendezvous:
                     if round_ is not None and self._joining is None and self._superseded(store):
                         self._round_ended = max(self._round_ended, round_)  # leave the round
                     self._check_neighbour(store)
+                    self._share_pace(store)
                     next_beat = now + ttl / 3
                 joining = self._joining
                 if joining is None:
@@ -833,6 +843,27 @@ class StoreRendezvous:
                 self._heartbeat_error = error
         finally:
             store.close()
+
+    def paces(self) -> dict[str, float]:
+        """The paces of the current round's members (node id -> CPU seconds per step), as
+        they last shared them, this node's included; a member that shared none is absent."""
+        return dict(self._paces)
+
+    def _share_pace(self, store: CoordinationStore) -> None:
+        """On a heartbeat in a round: write this node's pace, read the members'."""
+        round_, record = self.round, self.record
+        if self.pace is None or round_ is None or record is None or self._joining is not None:
+            return
+        pace = self.pace()
+        if pace is not None:
+            store.set(self.keys.of_round(round_, "pace", self.node.node_id), str(pace).encode())
+        keys = [self.keys.of_round(round_, "pace", node) for node in record.node_ids]
+        paces = {}
+        for node, raw in zip(record.node_ids, store.get_many(keys), strict=True):
+            with contextlib.suppress(ValueError, TypeError):
+                if raw is not None:
+                    paces[node] = float(raw)
+        self._paces = paces
 
     def _check_neighbour(self, store: CoordinationStore) -> None:
         """End the round if the member this node watches stopped beating."""

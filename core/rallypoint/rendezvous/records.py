@@ -39,6 +39,8 @@ class NodeRecord:
     #: What the node's agent tells the others through the round (its memory checkpoints:
     #: where it serves them, which steps it holds); text to text, empty for most jobs.
     offer: dict[str, str] = field(default_factory=dict)
+    #: Its workers' CPU seconds per step in its last round (``NodeSpec.pace``), or None.
+    pace: float | None = None
 
 
 @dataclass(frozen=True)
@@ -81,8 +83,11 @@ def encode(record: NodeRecord | RoundRecord) -> bytes:
         fields_["nprocs"] = _runs(record.nprocs)
         if not record.offers:
             del fields_["offers"]
-    elif not record.offer:
-        del fields_["offer"]
+    else:
+        if not record.offer:
+            del fields_["offer"]
+        if record.pace is None:
+            del fields_["pace"]
     return json.dumps({"kind": kind, "version": VERSION, **fields_}, separators=(",", ":")).encode()
 
 
@@ -161,6 +166,7 @@ def _node(key: str, data: Any) -> NodeRecord:
             run_id=str(data["run_id"]),
             nnodes=str(data.get("nnodes") or ""),
             offer=_offer(data.get("offer")),
+            pace=None if data.get("pace") is None else float(data["pace"]),
         )
     except (KeyError, TypeError, ValueError) as error:
         raise StoreError(f"rendezvous record {key!r} is malformed: {error!r}") from None
