@@ -140,3 +140,24 @@ def test_logs_are_read_from_files_and_directories_and_a_torn_line_is_skipped(
 def test_a_bad_log_is_one_sentence(tmp_path: Path, make: Any, message: str) -> None:
     with pytest.raises(UsageError, match=message):
         goodput.read([make(tmp_path)])
+
+
+def test_a_node_joining_is_no_failure_and_a_node_lost_is_counted_as_one() -> None:
+    def life(node: str, rounds: list[tuple[int, float, int]], **end: Any) -> list[dict[str, Any]]:
+        records = [event("agent_started", 0)]
+        for round_, at, world in rounds:
+            records += [
+                event("rendezvous_started", at),
+                event("rendezvous_completed", at + 0.5, round=round_, world_size=world),
+                event("workers_started", at + 1, round=round_, world_size=world),
+                event("progress", at + 2, step=int(at)),
+            ]
+            if round_ != rounds[-1][0]:
+                records.append(event("workers_restarted", at + 5, cause="membership"))
+        return [{**r, "node": node} for r in records]
+
+    # a alone, b joins at 10 (a bigger round 1), b is lost at 20 (round 2, a alone again).
+    a = life("a", [(0, 0, 2), (1, 10, 4), (2, 20, 2)])
+    b = life("b", [(1, 10, 4)])
+    incidents = goodput.account(a + b).incidents
+    assert [(i.round, i.cause, i.detect_seconds) for i in incidents] == [(1, "membership", None)]

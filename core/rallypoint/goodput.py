@@ -23,7 +23,6 @@ One ``account`` serves every reader: ``rallypoint report``, the Prometheus sink 
 
 from __future__ import annotations
 
-import bisect
 import json
 import math
 import statistics
@@ -74,7 +73,8 @@ class Attempt:
     marks: list[tuple[float, int]] = field(default_factory=list)  # (wall time, step)
     loaded: int | None = None  # the step it resumed from (a checkpoint load)
     load: tuple[float, float] | None = None  # when it loaded (start, end)
-    failure: tuple[str, float, float] | None = None  # (cause, failed at, noticed at)
+    #: (cause, failed at, noticed at: None when only the round's end was seen)
+    failure: tuple[str, float, float | None] | None = None
     succeeded: bool = False
 
     def reached(self) -> int | None:
@@ -279,9 +279,7 @@ def account(records: Iterable[Mapping[str, Any]], now: float | None = None) -> A
     for node in nodes:
         for attempt in node.attempts:
             _paint_attempt(node, attempt, marks, redone)
-        for start, end in stalls:
-            _paint(node.segments, start, end, CHECKPOINT)
-        node.segments = _merged(node.segments)
+        node.segments = _merged(_painted(node.segments, stalls, CHECKPOINT))
     incidents = _incidents(nodes, redone)
     stragglers = [dict(r) for rs in by_node.values() for r in rs if r.get("event") == ev.STRAGGLER]
     return Account(nodes, incidents, stragglers, steps_known)
@@ -353,8 +351,11 @@ class _Builder:
                 self.close(failed, DETECTION)
                 self.close(noticed, RESTART)
         elif name == ev.WORKERS_RESTARTED:
-            if self._end_attempt(at) and record.get("cause") == MEMBERSHIP:
-                attempt.failure = (MEMBERSHIP, at, at)
+            ended = self._end_attempt(at)
+            if record.get("cause") == MEMBERSHIP and (ended or attempt.failure is not None):
+                # A node was lost (or came): that, not the error it caused here, is the cause.
+                _, lost_at, seen_at = attempt.failure or (MEMBERSHIP, at, None)
+                attempt.failure = (MEMBERSHIP, lost_at, seen_at)
             self.close(at, RESTART)
         if name == ev.AGENT_STOPPING:
             if self._end_attempt(at) and attempt is not None:
@@ -389,8 +390,9 @@ def _paint_attempt(
     if not attempt.marks:
         return  # no steps: all training, as far as anyone can tell
     before = [m for m in marks if m[0] < attempt.start]
-    first_node_attempt = attempt is node.attempts[0] and not before
-    getting_ready = STARTUP if first_node_attempt else RESTART
+    # A node's first workers start up (a node joining a running job included); later
+    # ones restart.
+    getting_ready = STARTUP if attempt is node.attempts[0] else RESTART
     # Training begins when the checkpoint is loaded, or one step before the first step.
     first_at = attempt.marks[0][0]
     if attempt.load is not None:
@@ -445,23 +447,44 @@ def _stalls(records: Iterable[Mapping[str, Any]]) -> list[tuple[float, float]]:
 
 def _paint(segments: list[Segment], start: float, end: float, phase: str) -> None:
     """Give ``phase`` to the training time of ``segments`` between ``start`` and ``end``."""
-    if end <= start:
-        return
-    starts = [s.start for s in segments]
-    index = max(0, bisect.bisect_right(starts, start) - 1)
-    while index < len(segments) and segments[index].start < end:
-        segment = segments[index]
-        if segment.phase != TRAINING or segment.end <= start:
-            index += 1
+    segments[:] = _painted(segments, [(start, end)], phase)
+
+
+def _painted(
+    segments: list[Segment], spans: list[tuple[float, float]], phase: str
+) -> list[Segment]:
+    """``segments`` (in time order) with their training time inside ``spans`` given to
+    ``phase``: one pass over both, so that a save every step of a long job stays cheap."""
+    merged: list[list[float]] = []
+    for start, end in sorted(spans):
+        if end <= start:
             continue
-        parts = [
-            Segment(segment.start, max(segment.start, start), TRAINING),
-            Segment(max(segment.start, start), min(segment.end, end), phase),
-            Segment(min(segment.end, end), segment.end, TRAINING),
-        ]
-        parts = [p for p in parts if p.end > p.start]
-        segments[index : index + 1] = parts
-        index += len(parts)
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    out: list[Segment] = []
+    first = 0  # the first span that may still overlap a segment
+    for segment in segments:
+        if segment.phase != TRAINING:
+            out.append(segment)
+            continue
+        while first < len(merged) and merged[first][1] <= segment.start:
+            first += 1
+        cursor = segment.start
+        index = first
+        while index < len(merged) and merged[index][0] < segment.end:
+            start, end = max(merged[index][0], cursor), min(merged[index][1], segment.end)
+            if start > cursor:
+                out.append(Segment(cursor, start, TRAINING))
+            out.append(Segment(start, end, phase))
+            cursor = end
+            if merged[index][1] > segment.end:
+                break  # it goes on into a later segment
+            index += 1
+        if cursor < segment.end:
+            out.append(Segment(cursor, segment.end, TRAINING))
+    return out
 
 
 def _merged(segments: list[Segment]) -> list[Segment]:
@@ -485,8 +508,8 @@ def _incidents(nodes: list[Node], redone: dict[int, int]) -> list[Incident]:
     incidents = []
     for position, round_ in enumerate(rounds):
         failed = [(n, a) for n, a in by_round[round_] if a.failure is not None]
-        if not failed:
-            continue
+        if not failed or _grew(by_round, rounds, position):
+            continue  # no failure, or only a node joining: no failure either
         # A worker's failure is the cause; a membership change only when no worker failed.
         node, attempt = min(
             failed,
@@ -502,7 +525,7 @@ def _incidents(nodes: list[Node], redone: dict[int, int]) -> list[Incident]:
                 at=at,
                 node=node.node,
                 cause=cause,
-                detect_seconds=None if cause == MEMBERSHIP else noticed - at,
+                detect_seconds=None if noticed is None else noticed - at,
                 recover_seconds=min(resumed) - at if resumed else None,
                 steps_redone=redone.get(rounds[position + 1])
                 if position + 1 < len(rounds)
@@ -510,6 +533,17 @@ def _incidents(nodes: list[Node], redone: dict[int, int]) -> list[Incident]:
             )
         )
     return incidents
+
+
+def _grew(by_round: Mapping[int, list[tuple[Node, Attempt]]], rounds: list[int], at: int) -> bool:
+    """Whether round ``rounds[at]`` ended only for the job's nodes changing (no worker
+    failed on any node) and the next round is larger: a node joined, nothing failed."""
+    attempts = [a for _, a in by_round[rounds[at]]]
+    if at + 1 >= len(rounds) or any(a.failure and a.failure[2] is not None for a in attempts):
+        return False
+        return False
+    size = max(a.world_size for a in attempts)
+    return max(a.world_size for _, a in by_round[rounds[at + 1]]) > size
 
 
 def _cause(record: Mapping[str, Any]) -> str:
