@@ -7,8 +7,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PLUGINS := plugins/rendezvous_etcd plugins/rendezvous_redis plugins/metrics_prometheus examples/fsspec_store
 STAMP := $(VENV)/.installed
-# Debian packages of the servers the tests start: binary:package.
-SERVERS := etcd:etcd-server redis-server:redis-server prometheus:prometheus prometheus-pushgateway:prometheus-pushgateway openssl:openssl slurmctld:slurm-wlm
+# Debian packages of the programs the tests start, binary:package: the servers, and the
+# headless browser that renders `rallypoint report --html` (tests/test_report.py).
+SERVERS := etcd:etcd-server redis-server:redis-server prometheus:prometheus prometheus-pushgateway:prometheus-pushgateway openssl:openssl slurmctld:slurm-wlm chromium:chromium
 
 .PHONY: install servers lint docs test soak reliability demo bench clean
 
@@ -75,10 +76,13 @@ $(EXAMPLES_STAMP): $(STAMP)
 
 # Two nodes on this machine (c10d): node a trains alone, node b joins (world size 4), node b
 # is SIGKILLed and node a finishes alone; each round resumes from the newest checkpoint.
+# Then where the job's time went, from both nodes' event logs (docs/report.md).
 demo: $(EXAMPLES_STAMP)
 	$(PY) examples/elastic_demo.py --dir $(DEMO_DIR)
+	$(VENV)/bin/rallypoint report $(DEMO_DIR)/events-a.jsonl $(DEMO_DIR)/events-b.jsonl --html $(DEMO_DIR)/report.html
 
 # Side-by-side measurements against torchrun; write benchmarks/results/ and docs/benchmarks*.md.
+# bench_memory.py and bench_goodput.py start redis-server (make servers installs it).
 bench: install
 	$(PIP) install -q -e '.[bench]'
 	$(PY) benchmarks/bench_launcher.py
@@ -88,6 +92,7 @@ bench: install
 	$(PY) benchmarks/bench_checkpoint.py
 	$(PY) benchmarks/bench_memory.py
 	$(PY) benchmarks/bench_metrics.py
+	$(PY) benchmarks/bench_goodput.py
 
 clean:
 	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache $(DEMO_DIR)

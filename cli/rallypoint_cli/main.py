@@ -21,7 +21,7 @@ from rallypoint import __version__
 from rallypoint.errors import RallypointError
 from rallypoint.plugins import PluginManager, get_plugin_manager
 from rallypoint.redact import redact_urls
-from rallypoint_cli import plugins_command, rendezvous_command, run_command
+from rallypoint_cli import plugins_command, rendezvous_command, report_command, run_command
 
 
 def _parse_errors() -> tuple[type[Exception], ...]:
@@ -60,6 +60,7 @@ def build_app(pm: PluginManager) -> typer.Typer:
     run_command.register(app, pm)
     plugins_command.register(app, pm)
     rendezvous_command.register(app, pm)
+    report_command.register(app, pm)
     _add_plugin_commands(app, pm)
     return app
 
