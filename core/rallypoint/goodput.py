@@ -405,7 +405,8 @@ def _paint_attempt(
     target = max((step for _, step in before), default=None)
     if target is None:
         return
-    resumed = attempt.loaded if attempt.loaded is not None else -1
+    # Without a load (a script that checkpoints its own way), the step before its first.
+    resumed = attempt.loaded if attempt.loaded is not None else attempt.marks[0][1] - 1
     redone[attempt.round] = max(redone.get(attempt.round, 0), target - resumed, 0)
     if resumed >= target:
         return

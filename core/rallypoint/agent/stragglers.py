@@ -58,7 +58,8 @@ class Pace:
 
 def stragglers(paces: Mapping[str, float], factor: float) -> dict[str, dict[str, Any]]:
     """The nodes of ``paces`` (node id -> CPU seconds per step) above ``factor`` times the
-    median of the others' paces, with the ``straggler`` event's fields."""
+    median of the others' paces, with the ``straggler`` event's fields (the node itself is
+    the event's: only a straggler names itself)."""
     found = {}
     for node, pace in paces.items():
         others = [p for n, p in paces.items() if n != node]
@@ -66,7 +67,7 @@ def stragglers(paces: Mapping[str, float], factor: float) -> dict[str, dict[str,
             continue
         median = statistics.median(others)
         if median > 0 and pace > factor * median:
-            found[node] = {"node": node, "pace": pace, "median": median, "ratio": pace / median}
+            found[node] = {"pace": pace, "median": median, "ratio": pace / median}
     return found
 
 
