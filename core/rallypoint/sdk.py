@@ -23,9 +23,11 @@ from rallypoint.events import (
     CHECKPOINT_LOADED,
     CHECKPOINT_SAVED,
     NODES_WAITING,
+    PROGRESS,
     RENDEZVOUS_COMPLETED,
     RENDEZVOUS_STARTED,
     SCALE_CHANGED,
+    STRAGGLER,
     WORKER_FAILED,
     WORKERS_RESTARTED,
     WORKERS_STARTED,
@@ -53,6 +55,7 @@ from rallypoint.extensions import (
     check_liveness_ttl,
     liveness_ttl,
 )
+from rallypoint.goodput import account as goodput_account
 from rallypoint.hookspecs import hookimpl
 from rallypoint.interfaces import (
     Assignment,
@@ -76,9 +79,11 @@ __all__ = [
     "COMMON_RENDEZVOUS_OPTIONS",
     "DEFAULT_PREFIX",
     "NODES_WAITING",
+    "PROGRESS",
     "RENDEZVOUS_COMPLETED",
     "RENDEZVOUS_STARTED",
     "SCALE_CHANGED",
+    "STRAGGLER",
     "WORKERS_RESTARTED",
     "WORKERS_STARTED",
     "WORKER_FAILED",
@@ -111,6 +116,7 @@ __all__ = [
     "Validate",
     "WorkerFailure",
     "check_liveness_ttl",
+    "goodput_account",
     "hookimpl",
     "liveness_ttl",
     "parse_endpoint",

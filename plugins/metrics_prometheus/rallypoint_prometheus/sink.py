@@ -8,6 +8,9 @@ the gauges of workers that are no longer running are removed
 (``prometheus_client.multiprocess.mark_process_dead``): a restarted worker's gauges never
 add up with its predecessor's. Counters and histograms of dead workers stay, so that their
 totals never go down.
+
+Goodput, the time of each phase, failures, recoveries and stragglers come from this node's
+goodput account, the one ``rallypoint report`` prints (``goodput.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 
 from rallypoint import sdk
 from rallypoint.sdk import Event, SinkContext
+from rallypoint_prometheus.goodput import GoodputMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +156,10 @@ class PrometheusSink:
         self.state.labels(**self.labels).set(0)
         self.nodes_waiting.labels(**self.labels).set(0)
 
+        # Goodput, time per phase, failures and recoveries: this node's goodput account.
+        self.goodput = GoodputMetrics(self.labels, LABELS)
+        registry.register(self.goodput)
+
         self.workers: WorkerMetrics | None = None
         if context.worker_metrics_dir:
             taken = {m.name for m in registry.collect()}
@@ -177,6 +185,7 @@ class PrometheusSink:
             )
 
     def emit(self, event: Event) -> None:
+        self.goodput.emit(event)
         data = event.data
         labels = self.labels
         name = event.name

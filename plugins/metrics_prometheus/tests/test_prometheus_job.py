@@ -8,10 +8,11 @@ import re
 import signal
 import subprocess
 import threading
+import urllib.request
 from pathlib import Path
 
 import pytest
-from prometheus_fixtures import fetch
+from prometheus_fixtures import HTTP, fetch
 
 from launch import RALLYPOINT, clean_environment, rallypoint, worker
 from servers import PrometheusServer, require_binary, start_prometheus, wait_until
@@ -151,6 +152,100 @@ def test_prometheus_scrapes_a_two_worker_job_through_a_restart(
     # jsonl was fed the same events alongside.
     names = [json.loads(line)["event"] for line in (tmp_path / "events.jsonl").open()]
     assert names.count("workers_restarted") == 1 and names[-1] == "agent_stopping"
+
+
+def test_prometheus_evaluates_the_goodput_of_a_job_through_a_killed_worker(
+    tmp_path: Path,
+) -> None:
+    """A real Prometheus scrapes a job whose worker is SIGKILLed, and evaluates the shipped
+    goodput alerts with thresholds that decide their state: firing, pending, inactive."""
+    from test_prometheus_rules import alert_rules
+
+    require_binary("prometheus", "prometheus")
+    stop = tmp_path / "stop"
+    job = Job(
+        "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+        "--checkpoint-memory", "64MB", "--checkpoint-dir", str(tmp_path / "checkpoints"),
+        "--metrics", "prometheus", "--metrics-port", "0", "--metrics-conf", "addr=127.0.0.1",
+        worker("mem_train.py"), "100000", "--step-seconds", "0.1", "--stop-file", str(stop),
+    )  # fmt: skip
+    server: PrometheusServer | None = None
+    try:
+        server = start_prometheus(tmp_path, scrape_targets=[f"127.0.0.1:{job.metrics_port()}"])
+        shipped = alert_rules()
+        goodput, recovery = shipped["RallypointGoodputLow"], shipped["RallypointRecoverySlow"]
+        low = threshold(goodput["expr"], " < 0.9")
+        slow = threshold(recovery["expr"], " > 300")
+        # (group, alert, expr, for, the state it must reach)
+        rules = [
+            ("fire", "RallypointGoodputLow", f"{low} < 1.01", "0s", "firing"),
+            ("fire", "RallypointRecoverySlow", f"{slow} > 0", "0s", "firing"),
+            ("pend", "RallypointGoodputLow", f"{low} < 1.01", goodput["for"], "pending"),
+            ("quiet", "RallypointGoodputLow", f"{low} < 0", "0s", "inactive"),
+            ("quiet", "RallypointRecoverySlow", recovery["expr"], "0s", "inactive"),
+        ]
+        load_rules(server, tmp_path / "goodput.rules.yml", rules)
+
+        # Scraped while it trains, before the failure: Prometheus sees every counter of it
+        # change (they exist from the start, at 0).
+        server.wait_for_query("rallypoint_checkpoint_step >= 20", timeout=60)
+        pid = re.search(r"rank=1 pid=(\d+)", job.output)
+        assert pid, job.output
+        os.kill(int(pid.group(1)), signal.SIGKILL)
+
+        server.wait_for_query(
+            'rallypoint_failures_total{cause="SIGKILL"} == 1', timeout=30
+        )  # the agent restarts both workers, which resume from node memory
+        server.wait_for_query("rallypoint_recovery_seconds_count == 1", timeout=30)
+        assert only(server.query("rallypoint_failure_detect_seconds_count")) == 1
+        assert only(server.query("sum(rallypoint_failures_total)")) == 1
+        # A checkpoint every step: at most a few steps are trained again.
+        assert only(server.query("rallypoint_steps_redone_total")) < 10
+        assert 0 < only(server.query("rallypoint_goodput_ratio")) < 1
+        for phase in ("training", "restart", "loading"):
+            assert only(server.query(f'rallypoint_phase_seconds_total{{phase="{phase}"}}')) > 0
+        assert 0 < only(server.query(low)) < 1  # the alert's goodput, over the last hour
+        assert 0 < only(server.query(slow)) < 300  # ... and recovery time
+
+        def states() -> dict[tuple[str, str], tuple[str, str]]:
+            groups = json.loads(fetch(f"{server.url}/api/v1/rules"))["data"]["groups"]
+            return {
+                (group["name"], rule["name"]): (rule["state"], rule["health"])
+                for group in groups
+                for rule in group["rules"]
+            }
+
+        expected = {(group, alert): (state, "ok") for group, alert, _, _, state in rules}
+        assert wait_until(lambda: states() == expected, 30), (states(), expected)
+        # Recomputed at every scrape, the phase counters never went down.
+        assert only(server.query("max(resets(rallypoint_phase_seconds_total[10m]))")) == 0
+
+        stop.touch()  # every rank stops at the same step
+        assert job.process.wait(timeout=60) == 0, job.output
+    finally:
+        job.stop()
+        if server is not None:
+            server.stop()
+
+
+def threshold(expr: str, comparison: str) -> str:
+    """``expr`` without its comparison at the end, which this test replaces."""
+    assert expr.endswith(comparison), (expr, comparison)  # the threshold was changed
+    return expr.removesuffix(comparison)
+
+
+def load_rules(server: PrometheusServer, path: Path, rules: list[tuple[str, ...]]) -> None:
+    """Have ``server`` evaluate ``rules`` ((group, alert, expr, for, ...)), written to
+    ``path``."""
+    groups: dict[str, list[dict[str, str]]] = {}
+    for group, alert, expr, duration, *_ in rules:
+        groups.setdefault(group, []).append({"alert": alert, "expr": expr, "for": duration})
+    # JSON is valid YAML, and needs no YAML library.
+    path.write_text(json.dumps({"groups": [{"name": n, "rules": r} for n, r in groups.items()]}))
+    config = json.loads(server.config_path.read_text())
+    config["rule_files"] = [str(path)]
+    server.config_path.write_text(json.dumps(config))
+    HTTP.open(urllib.request.Request(f"{server.url}/-/reload", method="POST"), timeout=10)
 
 
 def test_workers_get_a_metrics_directory_only_for_a_sink_that_reads_it(tmp_path: Path) -> None:

@@ -27,32 +27,53 @@ ALERTS = {
     "RallypointRendezvousTooLong",
     "RallypointRendezvousSlow",
     "RallypointNoTrainingProgress",
+    "RallypointGoodputLow",
+    "RallypointRecoverySlow",
+}
+#: The metrics of the node's goodput account, each on the dashboard.
+GOODPUT = {
+    "rallypoint_goodput_ratio",
+    "rallypoint_phase_seconds_total",
+    "rallypoint_failure_detect_seconds_bucket",
+    "rallypoint_recovery_seconds_bucket",
+    "rallypoint_steps_redone_total",
+    "rallypoint_failures_total",
+    "rallypoint_stragglers_total",
 }
 #: Grafana's variables, as a query sees them once Grafana has filled them in.
 GRAFANA = {"$run_id": ".*", "$__rate_interval": "1m", "$__range": "1h"}
 
 
-def rule_expressions() -> list[str]:
-    """The expr of every rule: the file is YAML, but its exprs are simple enough to read
-    without a YAML library (plain one-liners or ``|`` blocks)."""
+def alert_rules() -> dict[str, dict[str, str]]:
+    """Each alert's ``expr`` (and ``for`` where it has one), by name. The file is YAML, but
+    simple enough to read without a YAML library: its exprs are plain one-liners or ``|``
+    blocks."""
     lines = RULES.read_text().splitlines()
-    found = []
+    rules: dict[str, dict[str, str]] = {}
+    rule: dict[str, str] = {}
     for index, line in enumerate(lines):
-        match = re.match(r"^(\s*)expr: ?(.*)$", line)
-        if not match:
-            continue
-        if match.group(2).strip() != "|":
-            found.append(match.group(2).strip())
-            continue
-        block = []
-        for following in lines[index + 1 :]:
-            if following.strip() and len(following) - len(following.lstrip()) <= len(
-                match.group(1)
-            ):
-                break
-            block.append(following.strip())
-        found.append(" ".join(block).strip())
-    return found
+        if match := re.match(r"^\s*- alert: (\w+)$", line):
+            rule = rules.setdefault(match.group(1), {})
+        elif match := re.match(r"^\s*for: (\S+)$", line):
+            rule["for"] = match.group(1)
+        elif match := re.match(r"^(\s*)expr: ?(.*)$", line):
+            if match.group(2).strip() != "|":
+                rule["expr"] = match.group(2).strip()
+                continue
+            block = []
+            for following in lines[index + 1 :]:
+                if following.strip() and len(following) - len(following.lstrip()) <= len(
+                    match.group(1)
+                ):
+                    break
+                block.append(following.strip())
+            rule["expr"] = " ".join(block).strip()
+    return rules
+
+
+def rule_expressions() -> list[str]:
+    """The expr of every rule."""
+    return [rule["expr"] for rule in alert_rules().values()]
 
 
 def dashboard_expressions() -> list[str]:
@@ -115,6 +136,7 @@ def test_rules_and_dashboard_use_only_metrics_the_endpoint_serves(
         "rallypoint_training_samples_total",
         "rallypoint_checkpoint_save_seconds_sum",
     } <= used
+    assert set().union(*map(metric_names, dashboard_expressions())) >= GOODPUT
     assert used - served == set()
 
 

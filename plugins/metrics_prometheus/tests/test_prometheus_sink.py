@@ -17,6 +17,7 @@ from prometheus_fixtures import (
     fetch,
     start_worker,
 )
+from test_prometheus_rules import GOODPUT
 
 from rallypoint import sdk
 from rallypoint.sdk import Event
@@ -91,8 +92,12 @@ def test_worker_metrics_are_served_with_the_agents_labels(
 
 def test_endpoint_text_passes_promtool(populated_sink: PrometheusSink) -> None:
     promtool = require_binary("promtool", "prometheus")
+    straggler = {"node": RUN.node_id, "pace": 0.3, "median": 0.1, "ratio": 3.0}
+    populated_sink.emit(Event(sdk.STRAGGLER, RUN, straggler))
     text = fetch(f"http://127.0.0.1:{populated_sink.port}/metrics")
-    assert "rallypoint_training_step{" in text and "rallypoint_world_size{" in text
+    served = {line.split("{")[0] for line in text.splitlines() if line[:1] != "#"}
+    wanted = {"rallypoint_training_step", "rallypoint_world_size", "rallypoint_straggler_ratio"}
+    assert wanted | GOODPUT <= served
     result = subprocess.run(
         [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30
     )
