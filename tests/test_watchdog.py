@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 import rallypoint
+from launch import events
 from launch import rallypoint as run_rallypoint
 from rallypoint.agent.failures import describe_exit, describe_failure
 from rallypoint.agent.watchdog import Watchdog
@@ -207,3 +208,25 @@ def test_a_stalled_worker_is_described_by_its_silence() -> None:
     )
     assert describe_exit(failure) == "made no progress for 5.0 s (watchdog)"
     assert describe_failure(failure) == "made no progress for 5.0 s (watchdog)"
+
+
+def test_checkpoint_saves_alone_arm_the_watchdog(tmp_path: Path) -> None:
+    """A script that never calls heartbeat() but saves every step is watched: it hangs
+    after step 4, and the watchdog kills it (the saves told the agent its steps)."""
+    script = tmp_path / "saves_then_hangs.py"
+    script.write_text(
+        "import time, torch\n"
+        "from rallypoint import checkpoint\n"
+        "for step in range(5):\n"
+        "    checkpoint.save({'w': torch.zeros(4)}, step)\n"
+        "    time.sleep(0.1)\n"
+        "time.sleep(120)\n"
+    )
+    result = run_rallypoint(  # the script alone would sleep for 120 s, past the timeout
+        "run", "--watchdog-timeout", "2", "--checkpoint-dir", str(tmp_path / "ckpt"),
+        "--event-log", str(tmp_path / "events.jsonl"), str(script), timeout=90,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "made no progress for" in result.stdout + result.stderr
+    steps = [e["step"] for e in events(tmp_path / "events.log", "progress")]
+    assert steps[-1] == 4

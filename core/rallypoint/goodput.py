@@ -615,17 +615,7 @@ def summary(account: Account) -> str:
             if mtbf is not None
             else f"failures: {len(incidents)} ({causes})"
         )
-        recover = [i.recover_seconds for i in incidents if i.recover_seconds is not None]
-        if recover:
-            lines.append(
-                f"time to recover: mean {statistics.fmean(recover):.1f} s, "
-                f"worst {max(recover):.1f} s"
-            )
-        detect = [i.detect_seconds for i in incidents if i.detect_seconds is not None]
-        if detect:
-            lines.append(f"time to detect: mean {statistics.fmean(detect):.2f} s")
-        if account.steps_known:
-            lines.append(f"steps redone: {account.steps_redone}")
+        lines += recovery_facts(account)
     for straggler in account.stragglers:
         lines.append(
             f"straggler: node {straggler.get('node')} worked "
@@ -635,6 +625,22 @@ def summary(account: Account) -> str:
     if account.skipped_lines:
         lines.append(f"({account.skipped_lines} lines of the logs were not events: skipped)")
     return "\n".join(lines)
+
+
+def recovery_facts(account: Account) -> list[str]:
+    """Time to recover and to detect, and the steps redone, as the report says them."""
+    facts = []
+    recover = [i.recover_seconds for i in account.incidents if i.recover_seconds is not None]
+    if recover:
+        facts.append(
+            f"time to recover: mean {statistics.fmean(recover):.1f} s, worst {max(recover):.1f} s"
+        )
+    detect = [i.detect_seconds for i in account.incidents if i.detect_seconds is not None]
+    if detect:
+        facts.append(f"time to detect: mean {statistics.fmean(detect):.2f} s")
+    if account.steps_known:
+        facts.append(f"steps redone: {account.steps_redone}")
+    return facts
 
 
 def _float(value: Any) -> float:

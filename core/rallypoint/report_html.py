@@ -9,12 +9,20 @@ cause and the slowest recoveries. Every text that comes from a log is escaped.
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from html import escape
 
-from rallypoint.goodput import MEMBERSHIP, PHASES, TRAINING, Account, Incident, Node, Segment
+from rallypoint.goodput import (
+    MEMBERSHIP,
+    PHASES,
+    TRAINING,
+    Account,
+    Incident,
+    Node,
+    Segment,
+    recovery_facts,
+)
 
 #: Each phase's colour on the timeline and in the tables.
 COLOURS = {
@@ -169,16 +177,7 @@ def _failures(account: Account) -> str:
     mtbf = account.mtbf()
     if mtbf is not None:
         facts.append(f"mean time between failures {mtbf:.0f} s")
-    recover = [i.recover_seconds for i in incidents if i.recover_seconds is not None]
-    if recover:
-        facts.append(
-            f"time to recover: mean {statistics.fmean(recover):.1f} s, worst {max(recover):.1f} s"
-        )
-    detect = [i.detect_seconds for i in incidents if i.detect_seconds is not None]
-    if detect:
-        facts.append(f"time to detect: mean {statistics.fmean(detect):.2f} s")
-    if account.steps_known:
-        facts.append(f"steps redone: {account.steps_redone}")
+    facts += recovery_facts(account)
     return (
         f'<p class="note">{"; ".join(facts)}</p>'
         f'<table class="causes"><tr><th>cause</th><th class="n">failures</th></tr>{rows}</table>'
