@@ -44,7 +44,7 @@ def test_a_node_made_slow_on_purpose_is_named_a_straggler(tmp_path: Path) -> Non
     named = {name: launch.events(log, "straggler") for name, log in logs.items()}
     assert (len(named["a"]), len(named["b"])) == (0, 1), named
     [event_] = named["b"]
-    assert event_["ratio"] > 1.5 and event_["pace"] > 0.1
+    assert event_["ratio"] > 1.5 and event_["pace"] >= 0.2  # its busy CPU time, at least
     assert "this node is a straggler" in logs["b"].read_text()
     account = goodput.account(goodput.read(list(tmp_path.glob("*.jsonl")))[0])
     assert [s["node"] for s in account.stragglers] == [event_["node"]]
