@@ -161,3 +161,18 @@ def test_a_node_joining_is_no_failure_and_a_node_lost_is_counted_as_one() -> Non
     b = life("b", [(1, 10, 4)])
     incidents = goodput.account(a + b).incidents
     assert [(i.round, i.cause, i.detect_seconds) for i in incidents] == [(1, "membership", None)]
+
+
+def test_workers_that_never_stepped_count_as_restarting_not_training() -> None:
+    """The job reports steps; an attempt killed before its first step got nothing done."""
+    records = [
+        *LIFE,
+        event("worker_failed", 20.5, timestamp=20.4, detected=20.45, signal="SIGKILL"),
+        event("rendezvous_started", 20.5),
+        event("rendezvous_completed", 20.6, round=2, world_size=2),
+        event("workers_started", 20.7, round=2, world_size=2),
+        event("worker_failed", 23, timestamp=22.9, detected=22.95, signal="SIGKILL"),
+        event("agent_stopping", 23, exit_code=1),
+    ]
+    segments = goodput.account(records).nodes[0].segments
+    assert [s.phase for s in segments if s.end > 20.7] == ["restart", "detection", "restart"]

@@ -387,12 +387,14 @@ def _paint_attempt(
     """Split one attempt's training: start-up (or restart) until its first step, the load,
     then steps redone until the job's step before this attempt is reached again."""
     end = attempt.end if attempt.end is not None else node.end
-    if not attempt.marks:
-        return  # no steps: all training, as far as anyone can tell
-    before = [m for m in marks if m[0] < attempt.start]
     # A node's first workers start up (a node joining a running job included); later
     # ones restart.
     getting_ready = STARTUP if attempt is node.attempts[0] else RESTART
+    if not attempt.marks:
+        if marks:  # the job reports steps, and these workers made none: never got going
+            _paint(node.segments, attempt.start, end, getting_ready)
+        return  # else no steps anywhere: all training, as far as anyone can tell
+    before = [m for m in marks if m[0] < attempt.start]
     # Training begins when the checkpoint is loaded, or one step before the first step.
     first_at = attempt.marks[0][0]
     if attempt.load is not None:

@@ -3,8 +3,8 @@
 In a job whose every step ends in a collective (DDP, FSDP), every rank steps at the
 slowest one's pace: the wall time of a step is the same everywhere, and what differs is
 how long each rank works before it waits for the others. So a node's pace here is the
-CPU time its workers spend per step (``/proc/PID/stat``, every thread of each worker, per
-step the workers reported), the median over the last PACE_WINDOW samples. The nodes share
+CPU time its least busy worker spends per step (``/proc/PID/stat``, every thread of the
+worker, per step the workers reported), the median over the last PACE_WINDOW samples. The nodes share
 their paces through the rendezvous store (``StoreRendezvous.pace``/``paces``); a node
 whose pace is above ``--straggler-factor`` times the median of the others' is a
 straggler. A rank waiting for a GPU in a busy loop (CUDA's default synchronisation) works
@@ -28,10 +28,12 @@ _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 class Pace:
-    """This node's workers' CPU seconds per step, sampled as the steps move."""
+    """This node's workers' CPU seconds per step, sampled as the steps move: of its least
+    busy worker, so that work only one rank does (rank 0 saving checkpoints, logging,
+    evaluating) does not make its node look slow."""
 
     def __init__(self) -> None:
-        self._last: tuple[float, int] | None = None  # (CPU seconds of the workers, step)
+        self._last: tuple[dict[int, float], int] | None = None  # (CPU seconds by pid, step)
         self._samples: deque[float] = deque(maxlen=PACE_WINDOW)
 
     def reset(self) -> None:
@@ -42,10 +44,12 @@ class Pace:
     def sample(self, pids: Iterable[int], step: int | None) -> None:
         if step is None:
             return
-        pids = list(pids)
-        cpu = sum(_cpu_seconds(pid) for pid in pids) / max(1, len(pids))
-        if self._last is not None and step > self._last[1] and cpu >= self._last[0]:
-            self._samples.append((cpu - self._last[0]) / (step - self._last[1]))
+        cpu = {pid: _cpu_seconds(pid) for pid in pids}
+        if self._last is not None and step > self._last[1]:
+            before, steps = self._last[0], step - self._last[1]
+            spent = [cpu[p] - before[p] for p in cpu if p in before and cpu[p] >= before[p]]
+            if spent:
+                self._samples.append(min(spent) / steps)
         if self._last is None or step > self._last[1]:
             self._last = (cpu, step)
 
