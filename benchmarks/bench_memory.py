@@ -15,7 +15,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -313,27 +312,6 @@ def worker_kill(launcher: str, scratch: Path, tag: str) -> dict[str, Any]:
             "source": source}  # fmt: skip
 
 
-def start_redis() -> tuple[subprocess.Popen[bytes], int]:
-    port = common.free_port()
-    binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-    server = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", HOST, "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    deadline = time.monotonic() + 30
-    while not _port_open(port):
-        if time.monotonic() > deadline:
-            raise RuntimeError("redis-server did not start")
-        time.sleep(0.05)
-    return server, port
-
-
-def _port_open(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.5)
-        return sock.connect_ex((HOST, port)) == 0
-
-
 def two_nodes(port: int, run_id: str, ckpt: Path, tag: str, every: int) -> list[Job]:
     command = [str(BIN / "rallypoint"), "run", "--nnodes", "1:2", "--nproc-per-node", "1",
                "--max-restarts", "3", "--rdzv-backend", "redis",
@@ -425,7 +403,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 args.repeat, list(common.LAUNCHERS), lambda name: worker_kill(name, scratch, tag)
             )
         if {"node", "stop"} & set(parts):
-            server, port = start_redis()
+            server, port = common.start_redis()
             try:
                 if "node" in parts:
                     results["node"] = [node_kill(port, scratch, tag) for _ in range(args.repeat)]

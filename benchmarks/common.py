@@ -50,6 +50,32 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def port_open(port: int) -> bool:
+    """Whether something listens on ``port`` of the loopback address."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        return probe.connect_ex((HOST, port)) == 0
+
+
+def start_redis(wait: float = 30.0) -> tuple[subprocess.Popen[bytes], int]:
+    """redis-server on a free loopback port, without persistence; it and its port."""
+    import shutil
+
+    port = free_port()
+    binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+    server = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", HOST, "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + wait
+    while not port_open(port):
+        if time.monotonic() > deadline or server.poll() is not None:
+            server.kill()
+            raise SystemExit("redis-server did not start (make servers installs it)")
+        time.sleep(0.05)
+    return server, port
+
+
 def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This process's environment without launcher settings (as tests/launch.py), plus ``extra``."""
     launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")

@@ -1,0 +1,700 @@
+"""Goodput under failures, rallypoint against torchrun: steps kept despite SIGKILLs.
+
+The steps a job keeps in a fixed wall time while a worker is SIGKILLed every 30 s and a
+node every 90 s, against the same job without failures, under rallypoint and torchrun side
+by side in one run; docs/benchmarks-goodput.md says how.
+
+    .venv/bin/python benchmarks/bench_goodput.py [--seconds 180]
+    .venv/bin/python benchmarks/bench_goodput.py --seconds 40       # a short try
+    .venv/bin/python benchmarks/bench_goodput.py --render-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import common
+from common import BIN, HOST, ROOT
+
+TRAIN = ROOT / "benchmarks" / "goodput_train.py"
+LAUNCHERS = tuple(common.LAUNCHERS)
+TARGET = 0.95  # rallypoint's goodput under the schedule, warm start and memory checkpoints
+OPTIONS = {
+    "seconds": (180.0, "wall time of each run, from the job's first step"),
+    "worker_every": (30.0, "seconds between SIGKILLs of one worker"),
+    "node_every": (90.0, "seconds between SIGKILLs of the second node, started again at once"),
+    "step_seconds": (0.3, "length of a training step"),
+    "nnodes": ("2", "--nnodes of both launchers"),
+    "memory": ("64MB", "rallypoint's --checkpoint-memory"),
+    "preload": ("torch._dynamo", "rallypoint's --preload (empty: none)"),
+    "keep": ("", "keep every run's logs and event logs under this directory"),
+    "only": (("", *LAUNCHERS), "run one launcher only (for trying things out)"),
+}
+NODES = 2
+#: rallypoint on Redis, a store of its own (the job survives the loss of any node, and the
+#: agent needs no torch to start); torchrun on c10d, hosted by the first node's agent.
+BACKEND = {"rallypoint": "redis", "torchrun": "c10d"}
+#: Both declare a node dead 3 s after its last heartbeat (as bench_recovery.py).
+RDZV_CONF = {
+    "rallypoint": "heartbeat_timeout=3,last_call_timeout=1",
+    "torchrun": "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3",
+}
+#: Without it torch 2.13 never scales the job from one node to two (benchmarks-recovery.md).
+TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+STORE_WAIT = 60.0  # seconds for the first agent (or redis-server) to open the store's port
+TARGET_WAIT = 30.0  # seconds a kill waits for its worker to be running
+START_CAP = 180.0  # seconds from the start for the job's first step
+CLEANUP_WAIT = 30.0  # seconds for killed processes to disappear
+STALL = 3.0  # a gap between two steps over this many median steps is a stall
+DONE = re.compile(r"done step=(\d+) world=(\d+) at=([\d.]+)")
+RESUMED = re.compile(r"resumed step=(\d+) world=\d+ rank=0 at=([\d.]+)")
+START = re.compile(r"start tag=(\S+) rank=(\d+) local=(\d+) world=\d+ pid=(\d+) at=([\d.]+)")
+
+
+# --- the schedule -------------------------------------------------------------------------
+
+
+def schedule(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The failures of a run, by seconds from its first step: a node at every multiple of
+    ``node_every``, a worker at every other multiple of ``worker_every``; the k-th worker
+    kill takes local rank ``k // 2 % 2`` of node ``k % 2``; a node kill the second node
+    (the first hosts torchrun's c10d store, which its job cannot lose)."""
+    times: dict[float, str] = {}
+    for every, kind in ((args.worker_every, "worker"), (args.node_every, "node")):
+        if every > 0:
+            at = every
+            while at < args.seconds - 1e-6:
+                times[round(at, 3)] = kind  # a node kill replaces a worker kill at once
+                at += every
+    events, workers = [], 0
+    for at, kind in sorted(times.items()):
+        if kind == "worker":
+            events.append({"at": at, "kind": kind, "node": workers % 2, "local": workers // 2 % 2})
+            workers += 1
+        else:
+            events.append({"at": at, "kind": kind, "node": 1})
+    return events
+
+
+# --- processes ----------------------------------------------------------------------------
+
+
+def descendants(root: int) -> list[int]:
+    """Every process below ``root`` (by parent pid, whatever their sessions)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int, marker: str) -> bool:
+    """Whether ``pid`` runs (not a zombie) with ``marker`` on its command line."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        return state != "Z" and marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, IndexError):
+        return False
+
+
+def signal_all(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signum)
+
+
+@dataclass
+class Agent:
+    """One start of one node's agent: its process, output and event log."""
+
+    process: subprocess.Popen[bytes]
+    log: Path
+    events: Path | None
+    started: float
+    killed: float | None = None
+    exit_code: int | None = None
+
+
+@dataclass
+class Node:
+    """One node of the job: the same command every time it is started."""
+
+    index: int
+    tag: str
+    command: list[str]
+    env: dict[str, str]
+    workdir: Path
+    event_log: bool
+    agents: list[Agent] = field(default_factory=list)
+
+    def start(self) -> Agent:
+        generation = len(self.agents)
+        log = self.workdir / f"node{self.index}-{generation}.log"
+        events = self.workdir / f"node{self.index}-{generation}.jsonl"
+        command = [arg.replace("EVENT_LOG", str(events)) for arg in self.command]
+        with log.open("wb") as out:
+            process = subprocess.Popen(
+                command, env=common.clean_env(self.env), stdin=subprocess.DEVNULL, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        agent = Agent(process, log, events if self.event_log else None, time.time())
+        self.agents.append(agent)
+        return agent
+
+    @property
+    def current(self) -> Agent:
+        return self.agents[-1]
+
+    def worker(self, local: int) -> int | None:
+        """The pid of this node's running worker of local rank ``local``, if there is one."""
+        found = [int(m[3]) for m in START.findall(text(self.current.log)) if int(m[2]) == local]
+        return found[-1] if found and alive(found[-1], self.tag) else None
+
+    def kill(self) -> float:
+        """The machine lost: its agent and every process below it or carrying its tag
+        stopped at once (SIGSTOP: none of them can react to the others' death), then
+        SIGKILLed; when."""
+        agent = self.current
+        pids = [agent.process.pid, *descendants(agent.process.pid), *common.matching(self.tag)]
+        pids = list(dict.fromkeys(pids))
+        signal_all(pids, signal.SIGSTOP)
+        killed = time.time()
+        signal_all(pids, signal.SIGKILL)
+        agent.killed = killed
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            agent.exit_code = agent.process.wait(timeout=CLEANUP_WAIT)
+        common.kill_tagged(self.tag, CLEANUP_WAIT)  # anything re-parented meanwhile
+        return killed
+
+    def stop(self) -> None:
+        for agent in self.agents:
+            if agent.process.poll() is None:
+                pids = [agent.process.pid, *descendants(agent.process.pid)]
+                signal_all(pids, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = agent.process.wait(timeout=CLEANUP_WAIT)
+                agent.exit_code = code if agent.exit_code is None else agent.exit_code
+
+
+def text(path: Path) -> str:
+    try:
+        return path.read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+# --- one run ------------------------------------------------------------------------------
+
+
+def commands(
+    launcher: str, args: argparse.Namespace, port: int, run_id: str, ckpt: str
+) -> list[str]:
+    # ``port``: the store's, redis-server's for rallypoint, the first agent's for torchrun
+    """The agent command of ``launcher``, ``TAG`` for the node's tag, ``EVENT_LOG`` for
+    the file of its event log."""
+    rendezvous = [
+        "--nnodes", args.nnodes, "--nproc-per-node", "2", "--max-restarts", "100",
+        "--rdzv-backend", BACKEND[launcher], "--rdzv-endpoint", f"{HOST}:{port}", "--rdzv-id", run_id,
+        "--rdzv-conf", RDZV_CONF[launcher],
+    ]  # fmt: skip
+    features = []
+    if launcher == "rallypoint":  # warm start is on by default
+        features = ["--checkpoint-memory", args.memory, "--checkpoint-dir", ckpt,
+                    "--event-log", "EVENT_LOG"]  # fmt: skip
+        features += ["--preload", args.preload] if args.preload else []
+    script = [str(TRAIN), "--step-seconds", str(args.step_seconds), "--tag", "TAG"]
+    return [*common.LAUNCHERS[launcher], *rendezvous, *features, *script]
+
+
+def run_once(
+    launcher: str, faults: bool, args: argparse.Namespace, scratch: Path, redis: int
+) -> dict[str, Any]:
+    """One run: two nodes of two workers each, started one after the other, trained for
+    ``args.seconds`` from their first step, with the failures of ``schedule`` or none;
+    then everything killed."""
+    unique = uuid.uuid4().hex[:10]
+    run_id, base = f"bench-goodput-{unique}", f"rpgoodput-{unique}"
+    workdir = scratch / f"{launcher}-{'faults' if faults else 'clean'}-{unique}"
+    workdir.mkdir()
+    ckpt = str(workdir / "checkpoints")
+    port = redis if launcher == "rallypoint" else common.free_port()
+    template = commands(launcher, args, port, run_id, ckpt)
+    env = {**TORCHRUN_ENV, "RALLYPOINT_CHECKPOINT_URL": ckpt} if launcher == "torchrun" else {}
+    nodes = [
+        Node(i, f"{base}-n{i}", [a.replace("TAG", f"{base}-n{i}") for a in template], env,
+             workdir, launcher == "rallypoint")
+        for i in range(NODES)
+    ]  # fmt: skip
+    kills: list[dict[str, Any]] = []
+    error = None
+    began = time.time()
+    trained = deadline = began + args.seconds  # until the job's first step says otherwise
+    try:
+        nodes[0].start()
+        # torchrun's first agent hosts the c10d store: the second starts once it listens
+        # (rallypoint's store, redis-server, is up already).
+        while not common.port_open(port) and nodes[0].current.process.poll() is None:
+            if time.time() > began + STORE_WAIT:
+                break
+            time.sleep(0.05)
+        if not common.port_open(port):
+            raise Failed(f"the first agent did not open the store on port {port}")
+        nodes[1].start()
+        # The wall time runs from the job's first step: start-up varies by seconds from
+        # run to run here, as much as a failure costs (bench_launcher.py measures it).
+        trained = first_step(nodes, began + START_CAP)
+        deadline = trained + args.seconds
+        for planned in schedule(args) if faults else []:
+            time.sleep(max(0.0, trained + planned["at"] - time.time()))
+            if time.time() >= deadline:
+                break
+            kills.append(kill(nodes, planned, trained, deadline))
+            print(f"  {launcher} t={kills[-1].get('at', 0):.1f} s {show_kill(kills[-1])}",
+                  flush=True)  # fmt: skip
+        time.sleep(max(0.0, deadline - time.time()))
+    except Failed as failed:
+        error = str(failed)
+    finally:
+        ended = time.time()
+        # Whether an agent gave up before the deadline (torchrun's, say): its exit code.
+        exits = [[a.process.poll() if a.killed is None else "killed" for a in node.agents]
+                 for node in nodes]  # fmt: skip
+        for node in nodes:
+            node.stop()
+        leftovers = common.kill_tagged(base, CLEANUP_WAIT)
+        for path in [
+            *Path("/dev/shm").glob(f"rallypoint-{run_id}-*"),
+            *Path(tempfile.gettempdir()).glob(f"rallypoint-{run_id}-*"),
+            *(p.parent for p in Path(tempfile.gettempdir()).glob(f"torchelastic_*/{run_id}_*")),
+        ]:
+            shutil.rmtree(path, ignore_errors=True)
+    logs = "".join(text(a.log) for node in nodes for a in node.agents)
+    result = progress(logs, trained, deadline, args.seconds)
+    happened = [done for done in kills if "at" in done]
+    bounds = [trained + done["at"] for done in happened] + [deadline]
+    for index, done in enumerate(happened):
+        done.update(after_kill(logs, bounds[index], bounds[index + 1]))
+    result.update(
+        launcher=launcher, faults=faults, seconds=args.seconds, error=error, kills=kills,
+        startup_seconds=trained - began if error is None else None,
+        starts=[[a.started - trained for a in node.agents] for node in nodes],
+        exits=exits,
+        leftovers=leftovers, overrun_seconds=ended - deadline,
+        command=shown(nodes[0].command, env, ckpt),
+    )  # fmt: skip
+    if launcher == "rallypoint":
+        result["account"] = accounted(nodes, trained, deadline)
+    if not result["steps"]:
+        result["log_tail"] = "\n".join(logs.splitlines()[-40:])
+    if args.keep:
+        shutil.copytree(
+            workdir, Path(args.keep) / workdir.name, ignore=shutil.ignore_patterns("checkpoints")
+        )
+    shutil.rmtree(workdir, ignore_errors=True)
+    return result
+
+
+def first_step(nodes: list[Node], until: float) -> float:
+    """When the job did its first step (the worker's clock)."""
+    while time.time() < until:
+        for agent in (a for node in nodes for a in node.agents):
+            if found := DONE.search(text(agent.log)):
+                return float(found[3])
+        if all(a.process.poll() is not None for node in nodes for a in node.agents):
+            raise Failed("every agent exited before the first step")
+        time.sleep(0.1)
+    raise Failed(f"no step within {START_CAP:.0f} s of the start")
+
+
+class Failed(Exception):
+    """A run that could not be measured, in a sentence."""
+
+
+def kill(
+    nodes: list[Node], planned: dict[str, Any], began: float, deadline: float
+) -> dict[str, Any]:
+    """Do one failure of the schedule; what was done, and when (seconds from ``began``)."""
+    node = nodes[planned["node"]]
+    done = dict(planned)
+    done["ranks"] = ranks_of(node)
+    if planned["kind"] == "node":
+        done["at"] = node.kill() - began
+        node.start()
+        return done
+    wait_until = min(deadline, time.time() + TARGET_WAIT)
+    while (pid := node.worker(planned["local"])) is None and time.time() < wait_until:
+        time.sleep(0.05)
+    if pid is None:
+        done["skipped"] = "no such worker running"
+        return done
+    done["rank"] = next((r for r, p in done["ranks"].items() if p == pid), None)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    done["at"] = time.time() - began
+    return done
+
+
+def ranks_of(node: Node) -> dict[int, int]:
+    """The global ranks of this node's newest workers, and their pids."""
+    latest = {int(m[2]): (int(m[1]), int(m[3])) for m in START.findall(text(node.current.log))}
+    return dict(latest.values())
+
+
+def show_kill(done: dict[str, Any]) -> str:
+    if done.get("skipped"):
+        return f"{done['kind']} kill skipped: {done['skipped']}"
+    if done["kind"] == "node":
+        return f"SIGKILL node {done['node']} (ranks {sorted(done['ranks'])}), started again"
+    return f"SIGKILL worker rank {done.get('rank')} (node {done['node']})"
+
+
+def shown(command: list[str], env: dict[str, str], ckpt: str) -> str:
+    """A command as the page shows it: paths relative, the run's ids as placeholders."""
+    line = " ".join([*(f"{k}={v}" for k, v in env.items()), *command]).replace(ckpt, "DIR")
+    line = line.replace(str(BIN) + "/", ".venv/bin/").replace(str(ROOT) + "/", "")
+    line = re.sub(r"rpgoodput-\w+-n0", "TAG", line)
+    line = re.sub(r"bench-goodput-\w+", "RUN_ID", line)
+    line = re.sub(rf"{HOST}:\d+", f"{HOST}:PORT", line)
+    return line.replace("EVENT_LOG", "FILE")
+
+
+def progress(logs: str, began: float, deadline: float, seconds: float) -> dict[str, Any]:
+    """The steps kept by ``deadline`` (the newest step done, plus one: steps redone after a
+    restart do not count twice), and by each second of the run; and the run's own pace:
+    its mean step time but for the stalls (a gap over ``STALL`` times the median step),
+    the steps it would have kept at that pace, and the stalls (start, seconds)."""
+    done = sorted((float(at), int(step)) for step, _, at in DONE.findall(logs))
+    kept = [(at - began, step + 1) for at, step in done if at <= deadline]
+    by_second, reached, index = [], 0, 0
+    for second in range(int(seconds) + 1):
+        while index < len(kept) and kept[index][0] <= second:
+            reached = max(reached, kept[index][1])
+            index += 1
+        by_second.append(reached)
+    steps = max((step for _, step in kept), default=0)
+    times = [at for at, _ in kept if at >= 0]
+    gaps = [(a, b - a) for a, b in itertools.pairwise(times)]
+    if not gaps:
+        return {"steps": steps, "by_second": by_second, "pace": None}
+    median = statistics.median(g for _, g in gaps)
+    pace = statistics.fmean(g for _, g in gaps if g <= STALL * median)
+    expected = 1 + seconds / pace
+    return {
+        "steps": steps,
+        "by_second": by_second,
+        "pace": {
+            "step_seconds": pace,
+            "median_step_seconds": median,
+            "expected_steps": expected,
+            "goodput": steps / expected,
+            "stalls": [[round(a, 2), round(g, 2)] for a, g in gaps if g > STALL * median],
+        },
+    }
+
+
+def after_kill(logs: str, at: float, until: float) -> dict[str, Any]:
+    """What the failure at ``at`` cost, from the workers' output up to ``until`` (the next
+    failure, or the deadline): the newest step done before the new workers started, the
+    step they resumed from, and the seconds until the job did a step it had not done."""
+    steps = sorted((float(t), int(step)) for step, _, t in DONE.findall(logs))
+    starts = sorted(float(m[4]) for m in START.findall(logs) if at < float(m[4]) <= until)
+    restarted = starts[0] if starts else until
+    reached = max((step for t, step in steps if t <= restarted), default=-1)
+    resumed = [(float(t), int(s)) for s, t in RESUMED.findall(logs) if at < float(t) <= until]
+    step = min(resumed)[1] if resumed else None
+    new = [t for t, s in steps if restarted < t <= until and s > reached]
+    return {
+        "restarted": bool(starts),
+        "reached": reached,
+        "resumed": step,
+        "redone": None if step is None else max(0, reached - step),
+        "seconds_to_new_step": new[0] - at if starts and new else None,
+    }
+
+
+def accounted(nodes: list[Node], start: float, deadline: float) -> dict[str, Any]:
+    """rallypoint's own account of the run (``rallypoint.goodput``) from every agent's
+    event log, up to the deadline; its phases from ``start`` (the first step) on, and of
+    the whole run. A killed agent never wrote that it stopped: it is given an
+    ``agent_stopping`` at the moment of its SIGKILL (its node-time ends there)."""
+    from rallypoint import goodput
+    from rallypoint.errors import UsageError
+
+    kept: list[dict[str, Any]] = []
+    skipped = 0
+    for agent in (a for node in nodes for a in node.agents):
+        try:  # an agent killed before it wrote a line has no log to speak of
+            records, cut = goodput.read([agent.events]) if agent.events else ([], 0)
+        except UsageError:
+            continue
+        skipped += cut
+        kept += [r for r in records if float(r["wall_time"]) <= deadline]
+        if agent.killed is not None:
+            for node_id in {str(r["node"]) for r in records}:
+                kept.append({"event": "agent_stopping", "node": node_id, "wall_time": agent.killed,
+                             "exit_code": -9, "benchmark": "SIGKILL"})  # fmt: skip
+    if not kept:
+        return {"error": "no event log"}
+    account = goodput.account(kept, now=deadline)
+    phases = dict.fromkeys(goodput.PHASES, 0.0)
+    for node in account.nodes:  # each segment's part in the window
+        for segment in node.segments:
+            phases[segment.phase] += max(
+                0.0, min(segment.end, deadline) - max(segment.start, start)
+            )
+    total = sum(phases.values())
+    return {
+        "goodput": phases[goodput.TRAINING] / total if total else None,
+        "node_seconds": total,
+        "phases": phases,
+        "shares": {k: v / total if total else None for k, v in phases.items()},
+        "whole_run": {
+            "goodput": account.goodput,
+            "node_seconds": account.total,
+            "phases": account.phases,
+        },
+        "failures": len(account.incidents),
+        "failures_by_cause": account.causes(),
+        "steps_redone": account.steps_redone,
+        "steps_known": account.steps_known,
+        "nodes": len(account.nodes),
+        "skipped_lines": skipped,
+        "incidents": [vars(i) for i in account.incidents],
+    }
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    launchers = [args.only] if args.only else list(LAUNCHERS)
+    scratch = Path(tempfile.mkdtemp(prefix="rallypoint-bench-goodput-"))
+    runs: dict[str, dict[str, Any]] = {}
+    redis, redis_port = common.start_redis(STORE_WAIT)
+    try:
+        # No failures first, then failures, each launcher in turn: the machine's noise
+        # (others' tests) hits both launchers alike.
+        for faults in (False, True):
+            order = launchers if not faults else launchers[::-1]
+            for launcher in order:
+                print(f"{launcher}, {'failures' if faults else 'no failures'}, "
+                      f"{args.seconds:.0f} s ...", flush=True)  # fmt: skip
+                run = run_once(launcher, faults, args, scratch, redis_port)
+                runs[f"{launcher}-{'faults' if faults else 'clean'}"] = run
+                print(f"  {run['steps']} steps"
+                      + (f"; {run['error']}" if run["error"] else ""), flush=True)  # fmt: skip
+    finally:
+        redis.kill()
+        redis.wait(CLEANUP_WAIT)
+        shutil.rmtree(scratch, ignore_errors=True)
+    summary = {}
+    for launcher in launchers:
+        clean, failed = runs[f"{launcher}-clean"], runs[f"{launcher}-faults"]
+        summary[launcher] = {
+            "steps_clean": clean["steps"],
+            "steps_faults": failed["steps"],
+            "goodput": failed["steps"] / clean["steps"] if clean["steps"] else None,
+            "pace_goodput_clean": (clean["pace"] or {}).get("goodput"),
+            "pace_goodput_faults": (failed["pace"] or {}).get("goodput"),
+        }
+    return {
+        "git": common.git_state("core"),
+        "settings": {k: getattr(args, k) for k in OPTIONS if k not in ("only", "keep")},
+        "schedule": schedule(args),
+        "target": TARGET,
+        "summary": summary,
+        "runs": runs,
+    }
+
+
+# --- the page -----------------------------------------------------------------------------
+
+
+PHASE_COLORS = {
+    "startup": "#c7c7c7", "rendezvous": "#9467bd", "training": "#2b7bba",
+    "checkpoint": "#17becf", "detection": "#d62728", "restart": "#ff7f0e",
+    "loading": "#bcbd22", "redone": "#8c564b", "stopping": "#7f7f7f",
+}  # fmt: skip
+
+
+def chart(results: dict[str, Any]) -> None:
+    figure, (steps, phases) = common.figure(
+        1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1.6, 1]}
+    )
+    for run in results["runs"].values():
+        launcher = run["launcher"]
+        style = "-" if run["faults"] else ":"
+        label = f"{launcher}, {'failures' if run['faults'] else 'no failures'}: {run['steps']}"
+        steps.plot(range(len(run["by_second"])), run["by_second"], style,
+                   color=common.COLORS[launcher], label=label, linewidth=1.6)  # fmt: skip
+    for planned in results["schedule"]:
+        node = planned["kind"] == "node"
+        steps.axvline(planned["at"], color="#d62728", alpha=0.6 if node else 0.25,
+                      linewidth=1.5 if node else 0.8, linestyle="-" if node else "--")  # fmt: skip
+    steps.set_xlabel(
+        "seconds from the job's first step (red: a worker SIGKILLed, dashed; a node, solid)"
+    )
+    steps.set_ylabel("steps kept (newest step done)")
+    steps.set_title("Training progress, two nodes of two workers", fontsize=10)
+    steps.legend(fontsize=8, loc="upper left")
+    steps.grid(True, alpha=0.3)
+    rows = [r for r in results["runs"].values() if r.get("account", {}).get("shares")]
+    for y, run in enumerate(rows):
+        left = 0.0
+        for phase, share in run["account"]["shares"].items():
+            if share:
+                phases.barh(y, share, left=left, color=PHASE_COLORS.get(phase, "#333333"),
+                            label=phase, height=0.6)  # fmt: skip
+                left += share
+    phases.set_yticks(range(len(rows)))
+    phases.set_yticklabels(["failures" if r["faults"] else "no failures" for r in rows])
+    phases.invert_yaxis()
+    phases.set_xlim(0, 1)
+    phases.set_xlabel("share of node-seconds (rallypoint's event logs)")
+    phases.set_title("rallypoint: where the time went", fontsize=10)
+    handles, labels = phases.get_legend_handles_labels()
+    unique = dict(zip(labels, handles, strict=True))  # one entry per phase
+    phases.legend(unique.values(), unique.keys(), fontsize=7, loc="upper center",
+                  ncol=4, bbox_to_anchor=(0.5, -0.2))  # fmt: skip
+    common.save(figure, "bench_goodput.png")
+
+
+def render(results: dict[str, Any]) -> dict[str, list[str]]:
+    settings = results["settings"]
+    setup = common.measured(
+        results,
+        f"- Python {results['python']}, torch {results['torch']}; rallypoint {results['git']}",
+        f"- Load average (1, 5, 15 min) before the run: {results['load_before']}; after: "
+        f"{results['load_after']}",
+        f"- {settings['seconds']:.0f} s per run; a worker SIGKILLed every "
+        f"{settings['worker_every']:.0f} s, the second node every {settings['node_every']:.0f} s "
+        f"(started again at once); {settings['step_seconds']} s steps",
+    )
+    summary = results["summary"]
+    rows = []
+    for launcher, s in summary.items():
+        target = f"at least {results['target']:.0%}" if launcher == "rallypoint" else "measured"
+        rows.append([launcher, s["steps_clean"], s["steps_faults"], percent(s["goodput"]),
+                     f"{percent(s['pace_goodput_clean'])} / **{percent(s['pace_goodput_faults'])}**",
+                     target])  # fmt: skip
+    goodput_table = common.table(
+        "launcher | steps, no failures | steps, failures | steps ÷ steps | "
+        "at the run's own pace (no failures / failures) | target",
+        rows,
+    )
+    # One row per failure of the schedule: what each launcher lost to it.
+    kills = {r["launcher"]: r["kills"] for r in results["runs"].values() if r["faults"]}
+    failure_rows = []
+    for index, planned in enumerate(results["schedule"]):
+        what = (f"node {planned['node']}" if planned["kind"] == "node"
+                else f"a worker of node {planned['node']}")  # fmt: skip
+        cells = [f"{planned['at']:.0f} s", what]
+        for launcher in summary:
+            done = kills.get(launcher, [])
+            cells.append(failure_cell(done[index] if index < len(done) else None))
+        failure_rows.append(cells)
+    failures = common.table(
+        "at | SIGKILL | "
+        + " | ".join(f"{n}: steps redone, seconds to a new step" for n in summary),
+        failure_rows,
+    )
+    phase_rows = []
+    accounts = {r["faults"]: r["account"] for r in results["runs"].values() if "account" in r}
+    if accounts:
+        for phase in next(iter(accounts.values()))["phases"]:
+            cells = [phase]
+            for faults in (False, True):
+                account = accounts.get(faults)
+                if account is None:
+                    cells.append("n/a")
+                    continue
+                seconds, share = account["phases"][phase], account["shares"][phase]
+                cells.append(f"{seconds:.1f} s ({share:.1%})")
+            phase_rows.append(cells)
+        totals = ["**all**"]
+        for faults in (False, True):
+            account = accounts.get(faults)
+            totals.append("n/a" if account is None else
+                          f"{account['node_seconds']:.0f} node-seconds; goodput "
+                          f"{common.number(account['goodput'] and account['goodput'] * 100, ' %', 1)}; "
+                          f"{account['failures']} failures, {account['steps_redone']} steps redone")  # fmt: skip
+        phase_rows.append(totals)
+    phase_table = common.table("phase | no failures | failures", phase_rows)
+    checks = []
+    for name, run in results["runs"].items():
+        notes = []
+        if run.get("error"):
+            notes.append(run["error"])
+        if run["leftovers"]:
+            notes.append(f"{run['leftovers']} processes left after the cleanup")
+        exits = [e for node in run["exits"] for e in node if e not in ("killed", None)]
+        if exits:
+            notes.append(f"agents exited on their own: {exits}")
+        if notes:
+            checks.append(f"- {name}: {'; '.join(notes)}")
+    if not checks:
+        checks.append("- No agent exited on its own, and no process was left after any run.")
+    startup = []
+    for launcher in summary:
+        seconds = [results["runs"].get(f"{launcher}-{kind}", {}).get("startup_seconds")
+                   for kind in ("clean", "faults")]  # fmt: skip
+        startup.append(f"{launcher} {' / '.join(common.number(x, ' s', 1) for x in seconds)}")
+    checks.insert(0, "- Start-up, from the first agent's start to the job's first step (not in "
+                  f"the wall time; no failures / failures): {'; '.join(startup)}")  # fmt: skip
+    commands = ["```"]
+    for launcher in summary:
+        run = results["runs"][f"{launcher}-faults"]
+        commands.append(run["command"])
+    commands.append("```")
+    return {
+        "setup": setup,
+        "goodput": [*goodput_table, "", *checks],
+        "failures": failures,
+        "phases": phase_table,
+        "commands": commands,
+    }
+
+
+def percent(value: float | None) -> str:
+    return common.number(None if value is None else value * 100, " %", 1)
+
+
+def failure_cell(done: dict[str, Any] | None) -> str:
+    if done is None:
+        return "not reached"
+    if done.get("skipped"):
+        return f"skipped ({done['skipped']})"
+    redone = "n/a" if done.get("redone") is None else str(done["redone"])
+    seconds = common.number(done.get("seconds_to_new_step"), " s", 1)
+    return (
+        f"{redone}, {seconds}"
+        if done.get("seconds_to_new_step") is not None
+        else f"{redone}, never"
+    )
+
+
+def main() -> None:
+    args = common.options(__doc__, **OPTIONS).parse_args()
+    common.publish(args, "goodput", "benchmarks-goodput", measure, chart, render)
+
+
+if __name__ == "__main__":
+    main()

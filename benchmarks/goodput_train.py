@@ -1,0 +1,83 @@
+"""The goodput benchmark's training script: the same file under torchrun and rallypoint.
+
+A small MLP trained with Adam on random data, gloo all-reducing its gradients every step,
+its whole state (weights and Adam's moments, about 8 MB) saved after every step with
+``rallypoint.checkpoint``: to node memory under ``rallypoint run --checkpoint-memory``, to
+the directory ``RALLYPOINT_CHECKPOINT_URL`` names under torchrun. A step is the forward
+and backward pass on one CPU thread, a sleep until ``--step-seconds`` from its start (the
+accelerator's share: the CPU waits while it computes), then the all-reduce, the optimizer
+step and the save.
+
+Usage: goodput_train.py [--steps N] [--step-seconds S] [--tag TAG]
+
+Prints ``start tag=TAG rank=R local=L world=W pid=P at=T`` once per worker,
+``resumed step=N world=W rank=R at=T`` after a load, and, on rank 0, ``done step=N world=W at=T``
+after each step (T: wall time).
+"""
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from rallypoint import checkpoint
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=1_000_000)
+parser.add_argument("--step-seconds", type=float, default=0.3)
+parser.add_argument("--tag", default="")
+parser.add_argument("--hidden", type=int, default=512)
+args = parser.parse_args()
+
+torch.set_num_threads(1)  # four workers share two cores
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+local = int(os.environ.get("LOCAL_RANK", "0"))
+print(
+    f"start tag={args.tag} rank={rank} local={local} world={world} pid={os.getpid()} "
+    f"at={time.time():.3f}",
+    flush=True,
+)
+torch.manual_seed(0)
+model = torch.nn.Sequential(
+    torch.nn.Linear(256, args.hidden),
+    torch.nn.ReLU(),
+    torch.nn.Linear(args.hidden, args.hidden),
+    torch.nn.ReLU(),
+    torch.nn.Linear(args.hidden, 256),
+)
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+parameters = list(model.parameters())
+start = 0
+loaded = checkpoint.load_latest()
+if loaded is not None:
+    model.load_state_dict(loaded.state["model"])
+    optimizer.load_state_dict(loaded.state["optimizer"])
+    start = loaded.step + 1
+    print(f"resumed step={loaded.step} world={world} rank={rank} at={time.time():.3f}", flush=True)
+
+for step in range(start, args.steps):
+    began = time.monotonic()
+    generator = torch.Generator().manual_seed(step * 1000 + rank)
+    batch = torch.randn(64, 256, generator=generator)
+    loss = (model(batch) - batch).pow(2).mean()
+    loss.backward()
+    time.sleep(max(0.0, began + args.step_seconds - time.monotonic()))
+    flat = torch.cat([p.grad.flatten() for p in parameters])  # type: ignore[union-attr]
+    dist.all_reduce(flat)
+    flat /= world
+    offset = 0
+    for p in parameters:
+        assert p.grad is not None
+        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+    optimizer.step()
+    optimizer.zero_grad()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    checkpoint.save(state, step, asynchronous=True)
+    if rank == 0:
+        print(f"done step={step} world={world} at={time.time():.3f}", flush=True)
+checkpoint.wait()
+dist.destroy_process_group()
