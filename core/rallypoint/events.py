@@ -145,8 +145,11 @@ class Event:
         return cls(name, run, {**fields, **data}, subject=subject)
 
     def to_json(self) -> str:
-        """One compact JSON object, the format of the event log and the ``jsonl`` sink."""
+        """One compact JSON object, the format of the event log and the ``jsonl`` sink.
+        The header (name, times, run, node) wins over a data field of the same name: a
+        log's reader files each event under the node that wrote it."""
         record = {
+            **self.data,
             "event": self.name,
             "wall_time": self.wall_time,
             "monotonic": self.monotonic,
@@ -154,6 +157,5 @@ class Event:
             "node": self.run.node_id,
             "host": self.run.hostname,
             "role": self.run.role,
-            **self.data,
         }
         return json.dumps(record, sort_keys=True, default=str)
