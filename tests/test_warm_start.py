@@ -404,6 +404,11 @@ def test_torch_and_rallypoint_are_preloaded_when_the_program_imports_them(tmp_pa
     assert imported(str(tmp_path / "uses_both.py"), str(tmp_path)) == ("torch", "rallypoint")
     assert imported(str(tmp_path / "plain.py"), str(tmp_path)) == ()
     assert imported(str(tmp_path / "missing.py"), str(tmp_path)) == ()
+    # An optimizer imports torch._dynamo when it is created: preloaded too.
+    (tmp_path / "adam.py").write_text("import torch\nopt = torch.optim.Adam(params)\n")
+    (tmp_path / "sgd.py").write_text("from torch.optim import SGD\n")
+    for script in ("adam.py", "sgd.py"):
+        assert imported(str(tmp_path / script), str(tmp_path)) == ("torch", "torch._dynamo")
 
 
 def test_a_preloaded_interpreter_that_dies_is_prepared_again(tmp_path: Path) -> None:

@@ -5,9 +5,11 @@ Importing torch takes seconds and a few hundred megabytes; a script that never i
 should not wait for it, nor carry it. So the agent reads (never runs) the worker's program
 and the modules of its own it imports, in its folder, following their imports, and finds
 whether any imports ``torch`` (or ``torch.*``) and ``rallypoint`` (its worker API, whose
-import is a tenth of a second a restart would pay again). What it cannot see (an import by
-a string, by an installed package of the job's) it does not guess at: ``--preload torch``
-says so.
+import is a tenth of a second a restart would pay again). A program that uses
+``torch.optim`` also gets ``torch._dynamo`` preloaded: every torch optimizer imports it
+when it is created (two seconds here), which each restarted worker would pay again. What
+it cannot see (an import by a string, by an installed package of the job's) it does not
+guess at: ``--preload torch`` says so.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from collections.abc import Iterator
 _FILES = 200
 #: The packages preloaded when the program imports them.
 PRELOADED = ("torch", "rallypoint")
+#: Preloaded, after torch, when the program uses torch's optimizers (``OPTIMIZERS``).
+DYNAMO = "torch._dynamo"
+OPTIMIZERS = "torch.optim"
 
 
 def imported(program: str, path0: str, module: bool = False) -> tuple[str, ...]:
@@ -34,7 +39,7 @@ def imported(program: str, path0: str, module: bool = False) -> tuple[str, ...]:
         todo = [_script_file(program)]
     seen: set[str] = set()
     found: set[str] = set()
-    while todo and len(seen) < _FILES and len(found) < len(PRELOADED):
+    while todo and len(seen) < _FILES and len(found) < len(PRELOADED) + 1:
         path = todo.pop()
         if path is None or path in seen or not os.path.isfile(path):
             continue
@@ -43,9 +48,12 @@ def imported(program: str, path0: str, module: bool = False) -> tuple[str, ...]:
             top = name.partition(".")[0]
             if folder is None and top in PRELOADED:
                 found.add(top)
+                if name == OPTIMIZERS or name.startswith(OPTIMIZERS + "."):
+                    found.add(DYNAMO)
             else:
                 todo.append(_module_file(name, folder or root))
-    return tuple(name for name in PRELOADED if name in found)
+    order = ("torch", DYNAMO, "rallypoint") if "torch" in found else PRELOADED
+    return tuple(name for name in order if name in found)
 
 
 def _script_file(path: str) -> str | None:
@@ -74,6 +82,8 @@ def _imported(path: str) -> Iterator[tuple[str, str | None]]:
     except (OSError, SyntaxError, ValueError):
         return
     for node in ast.walk(tree):
+        if _names_optimizers(node):  # torch.optim.SGD(...) after a plain import torch
+            yield OPTIMIZERS, None
         if isinstance(node, ast.Import):
             yield from ((alias.name, None) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -86,3 +96,12 @@ def _imported(path: str) -> Iterator[tuple[str, str | None]]:
             if node.module:
                 yield node.module, folder
             yield from ((prefix + alias.name, folder) for alias in node.names)
+
+
+def _names_optimizers(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr == "optim"
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "torch"
+    )
