@@ -40,7 +40,7 @@ OPTIONS = {
     "step_seconds": (0.3, "length of a training step"),
     "nnodes": ("2", "--nnodes of both launchers"),
     "memory": ("64MB", "rallypoint's --checkpoint-memory"),
-    "preload": ("torch._dynamo", "rallypoint's --preload (empty: none)"),
+    "preload": ("", "rallypoint's --preload (empty: none; torch._dynamo comes by itself)"),
     "keep": ("", "keep every run's logs and event logs under this directory"),
     "only": (("", *LAUNCHERS), "run one launcher only (for trying things out)"),
 }
