@@ -165,14 +165,15 @@ class Checkpointer:
             return
         began = time.perf_counter()
         forked = asynchronous and hasattr(os, "fork") and _in_cpu_memory(state)
+        size = _tensor_bytes(state) if asynchronous else 0
         if forked and self.tiers[0] is self.memory:
-            self._make_way(_tensor_bytes(state))
+            self._make_way(size)
         else:
             self.wait()
         if not asynchronous:
             self._write(state, step, began, blocked=None)
             return
-        pending = _Pending(step, size=_tensor_bytes(state))
+        pending = _Pending(step, size=size)
         if forked:
             background = self._fork_writer(state, step, began, pending)
         else:
@@ -234,7 +235,7 @@ class Checkpointer:
         stops what the workers left behind, so a crash loses no step that was saved."""
         outlive = self.tiers[0] is self.memory
         if outlive:
-            self._check_room(state, step)
+            self._check_room(pending.size, step)
         parent = os.getpid()
         errors, error_pipe = os.pipe()  # the child's error, for the parent to raise
         wall = time.time() - (time.perf_counter() - began)
@@ -277,14 +278,15 @@ class Checkpointer:
 
         return wait_for_child
 
-    def _check_room(self, state: Any, step: int) -> None:
-        """Before a memory save forks: its tensors alone must fit in the tier's budget,
-        beside the copies it keeps (the exact size is checked once it is written)."""
+    def _check_room(self, size: int, step: int) -> None:
+        """Before a memory save forks: its tensors alone (``size`` bytes) must fit in the
+        tier's budget, beside the copies it keeps (the exact size is checked once it is
+        written)."""
         tier = self.tiers[0]
         if tier.budget is None:
             return
         room = tier.budget - tier.used()
-        if _tensor_bytes(state) > room:
+        if size > room:
             raise CheckpointError(room_error(f"{mf.directory(step)}/{STATE_FILE}", tier, room))
 
     def _write_to_memory(self, state: Any, step: int, began: float, blocked: float) -> None:
