@@ -23,10 +23,12 @@ One ``account`` serves every reader: ``rallypoint report``, the Prometheus sink 
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import math
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,9 +78,6 @@ class Attempt:
     #: (cause, failed at, noticed at: None when only the round's end was seen)
     failure: tuple[str, float, float | None] | None = None
     succeeded: bool = False
-
-    def reached(self) -> int | None:
-        return max((step for _, step in self.marks), default=None)
 
 
 @dataclass
@@ -147,9 +146,17 @@ class Account:
     def steps_redone(self) -> int:
         return sum(i.steps_redone or 0 for i in self.incidents)
 
+    def recoveries(self) -> list[float]:
+        """Each failure's time to recover, where the workers stepped again after it."""
+        return [i.recover_seconds for i in self.incidents if i.recover_seconds is not None]
+
+    def detections(self) -> list[float]:
+        """Each failure's time to detect, where a worker's failure timed it."""
+        return [i.detect_seconds for i in self.incidents if i.detect_seconds is not None]
+
     def to_json(self) -> dict[str, Any]:
         """What ``rallypoint report --json`` prints."""
-        recover = [i.recover_seconds for i in self.incidents if i.recover_seconds is not None]
+        recover = self.recoveries()
         return {
             "goodput": self.goodput,
             "wall_seconds": self.wall,
@@ -274,11 +281,19 @@ def account(records: Iterable[Mapping[str, Any]], now: float | None = None) -> A
     nodes.sort(key=lambda n: (n.start, n.node))
     marks = sorted((t, step) for n in nodes for a in n.attempts for t, step in a.marks)
     steps_known = bool(marks)
+    times = [t for t, _ in marks]
+    highest = list(itertools.accumulate((step for _, step in marks), max))
+
+    def reached_before(at: float) -> int | None:
+        """The job's newest step reported before ``at``, on any node."""
+        index = bisect.bisect_left(times, at)
+        return highest[index - 1] if index else None
+
     stalls = _stalls(r for rs in by_node.values() for r in rs)
     redone: dict[int, int] = {}  # round -> steps redone in it
     for node in nodes:
         for attempt in node.attempts:
-            _paint_attempt(node, attempt, marks, redone)
+            _paint_attempt(node, attempt, steps_known, reached_before, redone)
         node.segments = _merged(_painted(node.segments, stalls, CHECKPOINT))
     incidents = _incidents(nodes, redone)
     stragglers = [dict(r) for rs in by_node.values() for r in rs if r.get("event") == ev.STRAGGLER]
@@ -382,7 +397,11 @@ class _Builder:
 
 
 def _paint_attempt(
-    node: Node, attempt: Attempt, marks: list[tuple[float, int]], redone: dict[int, int]
+    node: Node,
+    attempt: Attempt,
+    steps_known: bool,
+    reached_before: Callable[[float], int | None],
+    redone: dict[int, int],
 ) -> None:
     """Split one attempt's training: start-up (or restart) until its first step, the load,
     then steps redone until the job's step before this attempt is reached again."""
@@ -391,10 +410,9 @@ def _paint_attempt(
     # ones restart.
     getting_ready = STARTUP if attempt is node.attempts[0] else RESTART
     if not attempt.marks:
-        if marks:  # the job reports steps, and these workers made none: never got going
+        if steps_known:  # the job reports steps, and these workers made none: never got going
             _paint(node.segments, attempt.start, end, getting_ready)
         return  # else no steps anywhere: all training, as far as anyone can tell
-    before = [m for m in marks if m[0] < attempt.start]
     # Training begins when the checkpoint is loaded, or one step before the first step.
     first_at = attempt.marks[0][0]
     if attempt.load is not None:
@@ -404,7 +422,7 @@ def _paint_attempt(
     else:
         began = max(attempt.start, first_at - _step_seconds(attempt.marks))
         _paint(node.segments, attempt.start, began, getting_ready)
-    target = max((step for _, step in before), default=None)
+    target = reached_before(attempt.start)
     if target is None:
         return
     # Without a load (a script that checkpoints its own way), the step before its first.
@@ -434,18 +452,20 @@ def _step_seconds(marks: list[tuple[float, int]]) -> float:
     return (marks[-1][0] - marks[0][0]) / (marks[-1][1] - marks[0][1])
 
 
+def stall(record: Mapping[str, Any]) -> tuple[float, float] | None:
+    """When a ``checkpoint_saved`` record's save held training up (start, end): its
+    ``blocked_seconds`` from the save's start (``wall_time`` is its end); None if not."""
+    seconds, blocked = _get(record, "seconds"), _get(record, "blocked_seconds")
+    if seconds is None or blocked is None or blocked <= 0:
+        return None
+    start = float(record["wall_time"]) - seconds
+    return start, start + blocked
+
+
 def _stalls(records: Iterable[Mapping[str, Any]]) -> list[tuple[float, float]]:
-    """When saves held training up: each save's ``blocked_seconds`` from its start."""
-    stalls = []
-    for record in records:
-        if record.get("event") != ev.CHECKPOINT_SAVED:
-            continue
-        seconds, blocked = _get(record, "seconds"), _get(record, "blocked_seconds")
-        if seconds is None or blocked is None or blocked <= 0:
-            continue
-        start = float(record["wall_time"]) - seconds
-        stalls.append((start, start + blocked))
-    return sorted(stalls)
+    """When saves held training up."""
+    found = (stall(r) for r in records if r.get("event") == ev.CHECKPOINT_SAVED)
+    return sorted(s for s in found if s is not None)
 
 
 def _paint(segments: list[Segment], start: float, end: float, phase: str) -> None:
@@ -544,7 +564,6 @@ def _grew(by_round: Mapping[int, list[tuple[Node, Attempt]]], rounds: list[int],
     attempts = [a for _, a in by_round[rounds[at]]]
     if at + 1 >= len(rounds) or any(a.failure and a.failure[2] is not None for a in attempts):
         return False
-        return False
     size = max(a.world_size for a in attempts)
     return max(a.world_size for _, a in by_round[rounds[at + 1]]) > size
 
@@ -594,11 +613,7 @@ def summary(account: Account) -> str:
         f"({account.total:.0f} node-seconds)"
     )
     if not account.steps_known:
-        lines.append(
-            "  the workers reported no steps (rallypoint.heartbeat(step=...), a checkpoint "
-            "save, the ElasticSampler or rallypoint.metrics.step): steps redone after a "
-            "restart count as training"
-        )
+        lines.append(f"  {NO_STEPS}")
     total = account.total or 1.0
     lines.append("")
     lines.append(f"  {'phase':<12}{'seconds':>10}{'share':>8}")
@@ -618,26 +633,41 @@ def summary(account: Account) -> str:
             else f"failures: {len(incidents)} ({causes})"
         )
         lines += recovery_facts(account)
-    for straggler in account.stragglers:
-        lines.append(
-            f"straggler: node {straggler.get('node')} worked "
-            f"{_float(straggler.get('pace')):.3f} s per step, "
-            f"{_float(straggler.get('ratio')):.1f}x the median of the others"
-        )
+    lines += [straggler_line(s) for s in account.stragglers]
     if account.skipped_lines:
-        lines.append(f"({account.skipped_lines} lines of the logs were not events: skipped)")
+        lines.append(f"({skipped_line(account)})")
     return "\n".join(lines)
+
+
+#: What a report says of a job whose workers reported no steps.
+NO_STEPS = (
+    "the workers reported no steps (rallypoint.heartbeat(step=...), a checkpoint save, the "
+    "ElasticSampler or rallypoint.metrics.step): steps redone after a restart count as training"
+)
+
+
+def straggler_line(straggler: Mapping[str, Any]) -> str:
+    """A ``straggler`` event as a report says it."""
+    return (
+        f"straggler: node {straggler.get('node')} worked "
+        f"{_float(straggler.get('pace')):.3f} s per step, "
+        f"{_float(straggler.get('ratio')):.1f}x the median of the others"
+    )
+
+
+def skipped_line(account: Account) -> str:
+    return f"{account.skipped_lines} lines of the logs were not events: skipped"
 
 
 def recovery_facts(account: Account) -> list[str]:
     """Time to recover and to detect, and the steps redone, as the report says them."""
     facts = []
-    recover = [i.recover_seconds for i in account.incidents if i.recover_seconds is not None]
+    recover = account.recoveries()
     if recover:
         facts.append(
             f"time to recover: mean {statistics.fmean(recover):.1f} s, worst {max(recover):.1f} s"
         )
-    detect = [i.detect_seconds for i in account.incidents if i.detect_seconds is not None]
+    detect = account.detections()
     if detect:
         facts.append(f"time to detect: mean {statistics.fmean(detect):.2f} s")
     if account.steps_known:

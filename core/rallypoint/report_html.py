@@ -8,13 +8,13 @@ cause and the slowest recoveries. Every text that comes from a log is escaped.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from html import escape
 
 from rallypoint.goodput import (
     MEMBERSHIP,
+    NO_STEPS,
     PHASES,
     TRAINING,
     Account,
@@ -22,6 +22,8 @@ from rallypoint.goodput import (
     Node,
     Segment,
     recovery_facts,
+    skipped_line,
+    straggler_line,
 )
 
 #: Each phase's colour on the timeline and in the tables.
@@ -218,22 +220,15 @@ def _recovery_row(incident: Incident, begin: float) -> str:
 
 
 def _notes(account: Account) -> str:
-    notes = []
-    if not account.steps_known:
-        notes.append(
-            "The workers reported no steps (rallypoint.heartbeat(step=...), a checkpoint "
-            "save, the ElasticSampler or rallypoint.metrics.step): steps redone after a "
-            "restart count as training."
-        )
-    for straggler in account.stragglers:
-        notes.append(
-            f"Straggler: node {escape(str(straggler.get('node')))} worked "
-            f"{_number(straggler.get('pace')):.3f} s per step, "
-            f"{_number(straggler.get('ratio')):.1f}x the median of the others."
-        )
+    notes = [NO_STEPS] if not account.steps_known else []
+    notes += [straggler_line(straggler) for straggler in account.stragglers]
     if account.skipped_lines:
-        notes.append(f"{account.skipped_lines} lines of the logs were not events: skipped.")
-    return "".join(f'<p class="note wrap">{note}</p>' for note in notes)
+        notes.append(skipped_line(account))
+    return "".join(f'<p class="note wrap">{escape(_sentence(note))}</p>' for note in notes)
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:] + "."
 
 
 # --- the timeline ---------------------------------------------------------------------------
@@ -439,13 +434,6 @@ def _axis_ticks(span: float) -> list[tuple[float, str]]:
         ticks.append((at, "0" if count == 0 else f"{round(at / unit, 3):g} {name}"))
         count += 1
     return ticks
-
-
-def _number(value: object) -> float:
-    """A number of a log's record, NaN when it is none (the page still renders)."""
-    return (
-        float(value) if isinstance(value, int | float) and not isinstance(value, bool) else math.nan
-    )
 
 
 def _clock(seconds: float) -> str:

@@ -56,6 +56,7 @@ from rallypoint.extensions import (
     liveness_ttl,
 )
 from rallypoint.goodput import account as goodput_account
+from rallypoint.goodput import stall as goodput_stall
 from rallypoint.hookspecs import hookimpl
 from rallypoint.interfaces import (
     Assignment,
@@ -117,6 +118,7 @@ __all__ = [
     "WorkerFailure",
     "check_liveness_ttl",
     "goodput_account",
+    "goodput_stall",
     "hookimpl",
     "liveness_ttl",
     "parse_endpoint",

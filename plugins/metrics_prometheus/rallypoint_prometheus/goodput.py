@@ -97,7 +97,7 @@ class _Group:
     in a record of its own."""
 
     def __init__(self, first: Mapping[str, Any]) -> None:
-        stall = _stall(first)
+        stall = sdk.goodput_stall(first)
         self.since = float(first["wall_time"])
         self.end = stall[1] if stall is not None else -math.inf  # of the stalls so far
         self.length = 0.0  # of the union of the stalls folded in
@@ -106,7 +106,7 @@ class _Group:
     def absorb(self, record: dict[str, Any]) -> bool:
         """Fold ``record`` in; return whether it is to be kept (the group's record, or a
         record of its own)."""
-        stall = _stall(record)
+        stall = sdk.goodput_stall(record)
         if stall is not None:
             if stall[0] < self.since:
                 self.end = max(self.end, stall[1])
@@ -125,15 +125,6 @@ class _Group:
         else:
             self.record.pop("blocked_seconds", None)
         return new
-
-
-def _stall(record: Mapping[str, Any]) -> tuple[float, float] | None:
-    """When a save held training up (start, end), from the end of the save."""
-    seconds, blocked = record.get("seconds"), record.get("blocked_seconds")
-    if _number(seconds) and _number(blocked) and blocked > 0:
-        start = float(record["wall_time"]) - seconds
-        return start, start + blocked
-    return None
 
 
 def _number(value: object) -> TypeGuard[float]:
