@@ -37,9 +37,18 @@ pytestmark = pytest.mark.usefixtures("agent_tmpdir")
 
 WORKERS = Path(worker("probe.py")).parent
 COLD = ("--warm-start", "off")
-#: What differs between any two interpreters, warm or cold: drawn at random, or the paths
-#: of the run.
-DRAWN = {"random", "authkey"}
+# Every piece of process state that a fresh interpreter draws or makes for itself, and a
+# fork would copy from the preloaded interpreter, is one of the probe's keys. The contract
+# test checks each key: a warm worker's equals a cold one's, but for these two kinds.
+#: Drawn anew by every interpreter, and by every warm worker: differs between any two
+#: workers. Python's random reseeds itself after a fork; the rest is zygote._fresh_process_state.
+#: (CUDA's generators: tests/test_warm_random.py, on a GPU.)
+DRAWN = {"random", "numpy", "torch_seed", "torch_rand", "authkey"}
+#: What a warm worker keeps of the preloaded interpreter, by design (docs/user-guide.md,
+#: "Warm start"): str hashing's secret, drawn when an interpreter starts and fixed for its
+#: life (every warm worker of a node has the same one, a cold one its own, unless
+#: PYTHONHASHSEED is set); the preloaded objects, frozen out of the collector's sight.
+SHARED = {"hash", "gc_frozen"}
 
 
 def probes(output: str) -> dict[str, dict[str, Any]]:
@@ -78,14 +87,35 @@ def test_a_warm_worker_sees_what_a_cold_one_sees(
     assert "warm start is off (--warm-start off): workers start cold" in cold.stderr
     for rank in ours:
         assert ours[rank]["preloaded"] and not fresh[rank]["preloaded"]
-        for key in set(fresh[rank]) - DRAWN - {"preloaded"}:
+        for key in set(fresh[rank]) - DRAWN - SHARED - {"preloaded"}:
             assert ours[rank][key] == fresh[rank][key], f"rank {rank} {key}"
         assert ours[rank]["own_session"] and not ours[rank]["cuda_initialised"]
+        assert ours[rank]["gc_frozen"] and not fresh[rank]["gc_frozen"]
     # A fresh interpreter draws its own random state: so does each warm worker.
     for key in DRAWN:
         assert ours["0"][key] != ours["1"][key], key
+        assert fresh["0"][key] != fresh["1"][key], key
+    assert ours["0"]["hash"] == ours["1"]["hash"]
+    assert fresh["0"]["hash"] != fresh["1"]["hash"]
     assert warm.stdout.count("atexit ran") == 2
     assert (tmp_path / "left-open-0.txt").read_text() == "written before the end\n"
+
+
+def test_a_preload_modules_helpers_and_process_bound_state_stay_its_own(tmp_path: Path) -> None:
+    """A ``--preload`` module that starts multiprocessing's resource tracker and fork server
+    and registers an object to renew after a fork: each warm worker starts helpers of its
+    own, as a cold one does, and the object is renewed (tests/workers/preload_state.py)."""
+    args = ("--preload", "preload_state", worker("probe.py"))
+    env = {"PROBE_IMPORT": "preload_state", "TMPDIR": "/tmp"}  # the fork server's socket
+    warm = run_probe(*args, tmp_path=tmp_path, env=env, cwd=WORKERS)
+    cold = run_probe(*COLD, *args, tmp_path=tmp_path, env=env, cwd=WORKERS)
+    assert warm.returncode == 0, warm.stderr
+    assert cold.returncode == 0, cold.stderr
+    for rows, preloaded in ((probes(warm.stdout), True), (probes(cold.stdout), False)):
+        assert sorted(rows) == ["0", "1"]
+        for row in rows.values():
+            assert row["preloaded"] == preloaded
+            assert row["own_helpers"] and row["renewed"], row
 
 
 def test_import_time_settings_are_the_jobs(tmp_path: Path) -> None:
@@ -214,9 +244,10 @@ def test_the_agents_sigkill_leaves_nothing_of_the_job(tmp_path: Path) -> None:
         preloaded = _zygotes(str(tmp_path))
         assert len(preloaded) == 1 and preloaded[0] in job
         assert len(job) == 6  # the keeper, the zygote, 2 workers and their children
-        # ps shows a worker's command line as a cold one's: what pgrep -f finds.
-        shown = [Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0") for pid in job]
-        assert shown.count(f"{sys.executable}\0-u\0{script}".encode()) == 2
+        # ps shows a worker's command line as a cold one's, what pgrep -f finds: one line
+        # (as setproctitle writes it), no empty arguments after it (zygote.show_command_line).
+        shown = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in job]
+        assert shown.count(f"{sys.executable} -u {script}\0".encode()) == 2
     finally:
         agent.kill()
         agent.wait(10)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from fault_setups import Recovery
 
-from launch import start_rallypoint, wait_gone, worker
+from launch import rallypoint, start_rallypoint, wait_gone, worker
 
 #: Agent SIGKILLs in a row, each counted: the issue's bar is zero processes left every time.
 RUNS = 20
@@ -133,6 +133,29 @@ def test_the_end_of_the_job_leaves_nothing(tmp_path: Path, recovery: Recovery) -
         agent.kill()
     assert left_after(pids, timeout=0) == []
     assert tagged(tmp_path) == []
+
+
+@pytest.mark.fault(
+    "Workers stopped or ended, their multiprocessing helpers still running",
+    expected="what they left gets SIGTERM and 2 s (HELPER_GRACE) before SIGKILL: a "
+    "resource tracker unlinks the semaphores of its stopped worker",
+)
+def test_what_workers_leave_gets_sigterm_before_sigkill(tmp_path: Path, recovery: Recovery) -> None:
+    result = rallypoint(
+        "run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+        worker("helpers.py"), str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    # Rank 0 was stopped (SIGTERM) while its lock was registered: its tracker unlinked it.
+    name = (tmp_path / "0-0.sem").read_text().lstrip("/")
+    assert not Path(f"/dev/shm/sem.{name}").exists()
+    # The helpers that handle SIGTERM got it, after a failure and at the job's end; the
+    # ones that ignore it were killed.
+    assert sorted(path.name for path in tmp_path.glob("*.term")) == [
+        "0-0.term", "0-1.term", "1-0.term", "1-1.term",
+    ]  # fmt: skip
+    assert "process(es) the workers had left running" in result.stderr
+    assert left_after(tagged(tmp_path)) == []
 
 
 @pytest.mark.fault(

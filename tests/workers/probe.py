@@ -3,6 +3,7 @@ told: ``probe.py [ARGS...] [--end ok|exit3|message|raise|interrupt|sigkill]``.
 
 Run as a script, with ``-m workers.probe`` or with ``--run-path``: the warm-start tests
 compare what a worker forked from the preloaded interpreter sees with a fresh one's.
+``PROBE_IMPORT=MODULE`` imports a module first (one that is ``--preload``ed, warm).
 """
 
 import sys
@@ -11,13 +12,40 @@ import sys
 PRELOADED = "torch" in sys.modules
 
 import atexit  # noqa: E402
+import gc  # noqa: E402
+import importlib  # noqa: E402
 import json  # noqa: E402
 import multiprocessing  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
 import signal  # noqa: E402
+from multiprocessing import forkserver, resource_tracker  # noqa: E402
 
+import numpy  # noqa: E402
 import torch  # noqa: E402
+
+if os.environ.get("PROBE_IMPORT"):
+    imported = importlib.import_module(os.environ["PROBE_IMPORT"])
+
+
+def own_helpers() -> bool:
+    """Whether the multiprocessing helpers this process knows of (its resource tracker and
+    fork server) are none, or its own children, as in a fresh interpreter."""
+    pids = [resource_tracker._resource_tracker._pid, forkserver._forkserver._forkserver_pid]
+    return all(
+        pid is None or f" {os.getpid()} " in open(f"/proc/{pid}/stat").read() for pid in pids
+    )
+
+
+def cmdline() -> list[str]:
+    """/proc/self/cmdline as psutil splits it (a setproctitle-style line on spaces)."""
+    with open("/proc/self/cmdline", errors="surrogateescape") as handle:
+        data = handle.read()
+    sep = "\0" if data.endswith("\0") else " "
+    data = data.removesuffix(sep)
+    parts = data.split(sep)
+    return data.split(" ") if sep == "\0" and len(parts) == 1 and " " in data else parts
+
 
 end = sys.argv[sys.argv.index("--end") + 1] if "--end" in sys.argv else "ok"
 main = sys.modules["__main__"]
@@ -46,8 +74,19 @@ seen = {
     "world": os.environ["WORLD_SIZE"],
     "cuda_initialised": torch.cuda.is_initialized(),
     "random": random.random(),
+    "numpy": float(numpy.random.random()),
+    "torch_seed": torch.initial_seed(),
+    "torch_rand": torch.rand(1).item(),
     "authkey": multiprocessing.current_process().authkey.hex(),
     "hash_seed": os.environ.get("PYTHONHASHSEED"),
+    "hash": hash("rallypoint"),
+    "gc_frozen": gc.get_freeze_count() > 0,
+    "own_helpers": own_helpers(),
+    "renewed": imported.owner.pid == os.getpid() if os.environ.get("PROBE_IMPORT") else None,
+    # What ps shows, and whether psutil would find empty arguments in it.
+    "cmdline": " ".join(cmdline()),
+    "empty_arguments": "" in cmdline(),
+    "fds": sorted(os.listdir("/proc/self/fd")),
     "rallypoint_modules": sorted(m for m in sys.modules if "rallypoint" in m),
 }
 sys.stdout.write(json.dumps(seen) + "\n")

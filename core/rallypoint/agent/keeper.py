@@ -142,14 +142,20 @@ def _ended(pid: int) -> bool:
         return False
 
 
-def kill_children(spare: Sequence[int] = ()) -> int:
-    """SIGKILL every descendant of this process (a subreaper: the orphans come back to it)
-    but ``spare``, with their process groups, and reap them; the number killed.
+def kill_children(spare: Sequence[int] = (), grace: float = 0.0) -> int:
+    """Stop every descendant of this process (a subreaper: the orphans come back to it)
+    but ``spare``, with their process groups, and reap them; the number stopped.
 
-    Killing a child orphans its own children, which the kernel hands to this process: so
-    it goes round until no child is left, bounded by ``_KILL_BOUND`` seconds."""
+    With ``grace``, each first gets SIGTERM and up to ``grace`` seconds to exit, as
+    ``multiprocessing``'s helpers need: a resource tracker unlinks the semaphores and shared
+    memory its process left once that process is gone, then exits (it ignores SIGTERM).
+    Then SIGKILL. Killing a child orphans its own children, which the kernel hands to this
+    process: so each stage goes round until no child is left, the second bounded by
+    ``_KILL_BOUND`` seconds."""
     me = os.getpid()
-    killed: set[int] = set()
+    stopped: set[int] = set()
+    if grace > 0:
+        _terminate_children(me, spare, time.monotonic() + grace, stopped)
     deadline = time.monotonic() + _KILL_BOUND
     while time.monotonic() < deadline:
         children = [child for child in _children(me) if child not in spare]
@@ -160,17 +166,53 @@ def kill_children(spare: Sequence[int] = ()) -> int:
                 with contextlib.suppress(ChildProcessError, OSError):
                     os.waitpid(child, 0)
                 continue
-            with contextlib.suppress(OSError):
-                group = os.getpgid(child)
-                if group != os.getpgrp():
-                    os.killpg(group, signal.SIGKILL)
-            with contextlib.suppress(OSError):
-                os.kill(child, signal.SIGKILL)
-            killed.add(child)
+            _signal_with_group(child, signal.SIGKILL)
+            stopped.add(child)
         for child in children:
             with contextlib.suppress(ChildProcessError, OSError):
                 os.waitpid(child, 0)
-    return len(killed)
+    return len(stopped)
+
+
+def _terminate_children(me: int, spare: Sequence[int], deadline: float, stopped: set[int]) -> None:
+    """SIGTERM each child of ``me`` but ``spare`` once, reaping those that exit, until
+    none is left or ``deadline``; woken by each exit (a pidfd per child)."""
+    pidfds: dict[int, int] = {}
+    try:
+        while True:
+            live = []
+            for child in _children(me):
+                if child in spare:
+                    continue
+                if _ended(child):
+                    with contextlib.suppress(ChildProcessError, OSError):
+                        os.waitpid(child, 0)
+                    continue
+                live.append(child)
+                if child not in pidfds:
+                    with contextlib.suppress(OSError):
+                        pidfds[child] = os.pidfd_open(child)
+                    _signal_with_group(child, signal.SIGTERM)
+                    stopped.add(child)
+            left = deadline - time.monotonic()
+            if not live or left <= 0:
+                return
+            # Also wakes now and then for orphans handed over meanwhile (no event of ours).
+            watched = [pidfds[child] for child in live if child in pidfds]
+            select.select(watched, [], [], min(left, 0.05))
+    finally:
+        for fd in pidfds.values():
+            os.close(fd)
+
+
+def _signal_with_group(pid: int, sig: signal.Signals) -> None:
+    """Signal ``pid`` and, unless it is this process's, its process group."""
+    with contextlib.suppress(OSError):
+        group = os.getpgid(pid)
+        if group != os.getpgrp():
+            os.killpg(group, sig)
+    with contextlib.suppress(OSError):
+        os.kill(pid, sig)
 
 
 # --- the keeper process -------------------------------------------------------------------
@@ -237,7 +279,8 @@ class _Keeper:
                 reply = {"op": "owned"}
             elif op == "sweep":
                 spare = [*self.workers, *([self.zygote] if self.zygote else [])]
-                reply = {"op": "swept", "killed": kill_children(spare=spare)}
+                grace = float(message.get("grace", 0.0))
+                reply = {"op": "swept", "killed": kill_children(spare, grace)}
                 self.reap()
             else:
                 reply = {"op": "error", "message": f"unknown request {op!r}"}
@@ -504,16 +547,17 @@ class Keeper:
         """Have the keeper remove the directory ``path`` if the agent dies first."""
         self._request({"op": "own", "path": path})
 
-    def sweep(self) -> int:
-        """Kill whatever the stopped workers left behind; how many processes that was."""
+    def sweep(self, grace: float = 0.0) -> int:
+        """Stop whatever the stopped workers left behind (SIGTERM, ``grace`` seconds, then
+        SIGKILL); how many processes that was."""
         if not self.gone:
             with contextlib.suppress(KeeperGone):
-                return int(self._request({"op": "sweep"})["killed"])
+                return int(self._request({"op": "sweep", "grace": grace})["killed"])
         # The keeper was killed: its orphans come to the agent, a subreaper too. Its socket
         # closes before the kernel hands its children on: reap it first, then they are ours.
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(_KILL_BOUND)
-        return kill_children()
+        return kill_children(grace=grace)
 
     def pump(self, timeout: float = 0.0) -> None:
         """Read what the keeper sent within ``timeout`` seconds (0: only what is there)."""

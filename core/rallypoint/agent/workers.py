@@ -41,6 +41,9 @@ from rallypoint.errors import RallypointError
 logger = logging.getLogger("rallypoint.agent")
 
 _TAIL_LINES = 60
+#: Seconds that the processes stopped workers left running (``multiprocessing``'s resource
+#: tracker and fork server, a data loader's workers) get between SIGTERM and SIGKILL.
+HELPER_GRACE = 2.0
 
 
 @dataclass(frozen=True)
@@ -366,7 +369,8 @@ class WorkerGroup:
 
     def stop(self, sig: signal.Signals, timeout: float) -> None:
         """Send ``sig`` to every worker's process group, wait ``timeout``, then SIGKILL
-        them and whatever they left behind, in their groups or outside them."""
+        those still running; whatever they left behind, in their groups or outside them,
+        gets SIGTERM and ``HELPER_GRACE`` seconds before SIGKILL (none after a SIGKILL)."""
         for worker in self.running():
             _signal_group(worker.pid, sig)
         deadline = time.monotonic() + timeout
@@ -382,10 +386,10 @@ class WorkerGroup:
                 timeout,
                 sig.name,
             )
-        self.kill(self.workers)
+        self.kill(stubborn)
         if self.before_sweep is not None:
             self.before_sweep()
-        left = self.keeper.sweep()
+        left = self.keeper.sweep(0.0 if sig == signal.SIGKILL else HELPER_GRACE)
         if left:
             logger.info("stopped %d process(es) the workers had left running", left)
 

@@ -15,10 +15,9 @@ contract (torchrun's) is.
 
 In the child, before the script runs: default signal handlers, a session of its own,
 ``PR_SET_PDEATHSIG`` (it dies with this interpreter, which dies with the keeper), its
-stdout and stderr, working directory, CPUs and environment, the random state that a fresh
-interpreter would draw anew (``random`` reseeds itself after a fork; numpy's global state
-and ``multiprocessing``'s authentication key are drawn here), ``sys.argv`` and a fresh
-``__main__``. It ends as an interpreter does (``_finish``): ``sys.exit``'s status, an
+stdout and stderr, working directory, CPUs and environment, what a fresh interpreter draws
+or makes for itself (``_fresh_process_state``: the random generators, ``multiprocessing``'s
+key and helpers), ``sys.argv`` and a fresh ``__main__``. It ends as an interpreter does (``_finish``): ``sys.exit``'s status, an
 uncaught exception printed by ``sys.excepthook`` and 1, threads joined, ``atexit`` handlers
 run, output flushed; but then it exits at once, without the teardown of every module.
 
@@ -252,7 +251,7 @@ def _become_worker(request: dict[str, Any], fds: list[int]) -> NoReturn:
     for name in request["unset"]:  # the environment is the job's: the worker's differs
         del os.environ[name]
     os.environ.update(request["set"])
-    _draw_random_state()
+    _fresh_process_state()
     show_command_line(request["argv"])
     try:
         _run(request["kind"], request["target"], request["args"])
@@ -303,8 +302,13 @@ def _flush_open_files() -> None:
 
 
 def show_command_line(argv: Sequence[str]) -> None:
-    """Write ``argv`` over this process's argument area (what ``/proc/PID/cmdline`` shows),
-    as ``setproctitle`` does, padded with NULs; cut short if it does not fit."""
+    """Write ``argv`` over this process's argument area, what ``ps`` and ``/proc/PID/cmdline``
+    show, as ``setproctitle`` does: one line, the arguments joined by spaces.
+
+    The area is the preloaded interpreter's command line, longer than a worker's. Joined by
+    NULs, the rest of it would read as hundreds of empty arguments; with a byte other than
+    NUL at its end, the kernel shows the text up to the first NUL instead (proc(5)), which
+    ``psutil`` splits on spaces. Cut short if it does not fit."""
     try:
         with open("/proc/self/stat", "rb") as handle:
             fields = handle.read().rpartition(b")")[2].split()
@@ -312,18 +316,55 @@ def show_command_line(argv: Sequence[str]) -> None:
     except (OSError, IndexError, ValueError):
         return
     area = end - start
-    text = b"\0".join(arg.encode(errors="surrogateescape") for arg in argv)[: area - 1]
-    ctypes.memmove(start, text.ljust(area, b"\0"), area)
+    text = b" ".join(arg.encode(errors="surrogateescape") for arg in argv)[: area - 2] + b"\0"
+    ctypes.memmove(start, text.ljust(area, b" "), area)
 
 
-def _draw_random_state() -> None:
-    """What every fresh interpreter draws for itself, and a fork would copy."""
+def _fresh_process_state() -> None:
+    """What a fresh interpreter draws or makes for itself, which a fork would copy from
+    the preloaded one (docs/user-guide.md, "Warm start", says what stays shared).
+
+    Python's ``random`` and ``tempfile`` reseed themselves after a fork. torch seeds its
+    CPU generator once, when it is imported; its CUDA generators are made and seeded when
+    the worker first uses CUDA, which this interpreter never did (``unfit_to_fork``)."""
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None:
         numpy_random.seed()
+    generator = getattr(sys.modules.get("torch"), "default_generator", None)
+    if generator is not None:
+        generator.seed()
     process = sys.modules.get("multiprocessing.process")
     if process is not None:
         process.current_process().authkey = os.urandom(32)
+    util = sys.modules.get("multiprocessing.util")
+    if util is not None:
+        util._run_after_forkers()  # what multiprocessing runs in a child it forks
+    _forget_helpers()
+
+
+def _forget_helpers() -> None:
+    """A ``multiprocessing`` resource tracker or fork server that a ``--preload`` module
+    started belongs to this interpreter: the worker starts its own when it needs one, as
+    a fresh interpreter does, instead of sharing it with every other worker."""
+    tracker = getattr(
+        sys.modules.get("multiprocessing.resource_tracker"), "_resource_tracker", None
+    )
+    server = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
+    for helper, fd_name, fields in (
+        (tracker, "_fd", ("_fd", "_pid")),
+        (
+            server,
+            "_forkserver_alive_fd",
+            ("_forkserver_alive_fd", "_forkserver_address", "_forkserver_pid"),
+        ),
+    ):
+        fd = getattr(helper, fd_name, None)
+        if fd is None:
+            continue
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        for field in fields:
+            setattr(helper, field, None)
 
 
 def _run(kind: str, target: str, args: Sequence[str]) -> None:
