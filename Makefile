@@ -11,16 +11,31 @@ STAMP := $(VENV)/.installed
 # headless browser that renders `rallypoint report --html` (tests/test_report.py).
 SERVERS := etcd:etcd-server redis-server:redis-server prometheus:prometheus prometheus-pushgateway:prometheus-pushgateway openssl:openssl slurmctld:slurm-wlm chromium:chromium
 
-.PHONY: install servers lint docs test soak reliability demo bench clean
+.PHONY: install servers lint docs test suite lock test-latest test-lowest soak reliability demo bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-# torch first, pinned: pip finds a CPU build locally; letting the project's torch range pick
-# one would download a multi-gigabyte CUDA build.
-$(STAMP): pyproject.toml $(addsuffix /pyproject.toml,$(PLUGINS)) | $(PY)
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]' $(addprefix -e ,$(PLUGINS))
+# The development environment is locked (docs/development.md): requirements/dev.txt pins,
+# with hashes, every package that requirements/dev.in (the project's extras, the plugins'
+# dependencies, the tools) and torch.in (torch's CPU build) ask for; `make lock` writes it.
+LOCK := requirements/dev.txt
+LOCK_INPUT := requirements/dev.in
+TORCH_INPUT := requirements/torch.in
+LOCK_PYTHON := 3.11
+# Where pip and uv find torch's CPU build: the machine's own --find-links for pip where it
+# sets one (a local copy), else PyTorch's index of CPU builds. PyPI has only CUDA builds of
+# several gigabytes.
+TORCH_FIND_LINKS ?= $(or $(PIP_FIND_LINKS),https://download.pytorch.org/whl/cpu/torch/)
+LOCAL_PACKAGES := rallypoint rallypoint-etcd rallypoint-redis rallypoint-prometheus rallypoint-fsspec
+UV := $(VENV)/bin/uv
+
+# The lock exactly (complete, so --no-deps; every file's hash checked), then this checkout's
+# distributions, editable, on top of it.
+$(STAMP): $(LOCK) pyproject.toml $(addsuffix /pyproject.toml,$(PLUGINS)) | $(PY)
+	@$(PY) -c 'import sys; v = "%d.%d" % sys.version_info[:2]; sys.exit(v != "$(LOCK_PYTHON)" and f"$(LOCK) is for Python $(LOCK_PYTHON), $(VENV) has {v}: make clean, then make PYTHON=python$(LOCK_PYTHON)")'
+	$(PIP) install -q --require-hashes --no-deps --find-links $(TORCH_FIND_LINKS) -r $(LOCK)
+	$(PIP) install -q --no-deps --no-build-isolation -e . $(addprefix -e ,$(PLUGINS))
 	touch $@
 
 install: $(STAMP)
@@ -55,9 +70,40 @@ docs: install
 # Most tests wait on real servers and agents, so they run on TEST_PROCESSES processes (on
 # 2 cores too); the few that change the installed environment run alone afterwards.
 TEST_PROCESSES ?= 3
-test: install servers lint docs
+test: lint docs suite
+
+suite: install servers
 	$(PY) -m pytest -n $(TEST_PROCESSES) --dist worksteal -m "not serial and not soak"
 	$(PY) -m pytest -m serial
+
+# requirements/dev.in resolved anew: the newest releases within the declared ranges.
+lock: install
+	$(UV) pip compile $(LOCK_INPUT) $(TORCH_INPUT) --upgrade --generate-hashes --python-version $(LOCK_PYTHON) \
+		--find-links $(TORCH_FIND_LINKS) $(addprefix --no-emit-package ,$(LOCAL_PACKAGES)) \
+		--custom-compile-command "make lock" --quiet -o $(LOCK)
+
+# make test against the newest releases, without the lock, in a venv of its own: an
+# upstream release that breaks us shows here, on our schedule, not in CI.
+LATEST := .venv-latest
+test-latest: install
+	rm -rf $(LATEST)
+	$(UV) venv -q --seed --python $(PYTHON) $(LATEST)
+	VIRTUAL_ENV=$(LATEST) $(UV) pip install -q --find-links $(TORCH_FIND_LINKS) \
+		-r $(LOCK_INPUT) -r $(TORCH_INPUT)
+	touch $(LATEST)/.installed
+	$(MAKE) VENV=$(LATEST) test
+
+# The suite against the oldest releases that the declared ranges allow (uv's lowest-direct:
+# each distribution's own requirements at their lower bounds), torch's lowest too (PyPI's
+# build, with CUDA: some 3 GB the first time): those bounds are true. Not lint and docs,
+# whose findings change with their tools' versions.
+LOWEST := .venv-lowest
+test-lowest: install
+	rm -rf $(LOWEST)
+	$(UV) venv -q --seed --python $(PYTHON) $(LOWEST)
+	VIRTUAL_ENV=$(LOWEST) $(UV) pip install -q --resolution lowest-direct -r $(LOCK_INPUT)
+	touch $(LOWEST)/.installed
+	$(MAKE) VENV=$(LOWEST) suite
 
 # The long fault scenarios (docs/reliability.md): the 20-repetition recovery soak, membership
 # churn, and the backends that make test leaves out of the faults handled alike on each.
@@ -69,22 +115,16 @@ reliability: install servers
 	$(PY) docs/gen_reliability.py
 
 DEMO_DIR := .demo
-EXAMPLES_STAMP := $(VENV)/.installed-examples
-$(EXAMPLES_STAMP): $(STAMP)
-	$(PIP) install -q -e '.[examples]'
-	touch $@
-
 # Two nodes on this machine (c10d): node a trains alone, node b joins (world size 4), node b
 # is SIGKILLed and node a finishes alone; each round resumes from the newest checkpoint.
 # Then where the job's time went, from both nodes' event logs (docs/report.md).
-demo: $(EXAMPLES_STAMP)
+demo: install
 	$(PY) examples/elastic_demo.py --dir $(DEMO_DIR)
 	$(VENV)/bin/rallypoint report $(DEMO_DIR)/events-a.jsonl $(DEMO_DIR)/events-b.jsonl --html $(DEMO_DIR)/report.html
 
 # Side-by-side measurements against torchrun; write benchmarks/results/ and docs/benchmarks*.md.
 # bench_memory.py and bench_goodput.py start redis-server (make servers installs it).
 bench: install
-	$(PIP) install -q -e '.[bench]'
 	$(PY) benchmarks/bench_launcher.py
 	$(PY) benchmarks/bench_rendezvous.py
 	$(PY) benchmarks/bench_recovery.py
@@ -95,4 +135,4 @@ bench: install
 	$(PY) benchmarks/bench_goodput.py
 
 clean:
-	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache $(DEMO_DIR)
+	rm -rf $(VENV) $(LATEST) $(LOWEST) site .pytest_cache .mypy_cache .ruff_cache $(DEMO_DIR)

@@ -162,5 +162,9 @@ class TorchLogsSpecs:
             )
             env["TORCHELASTIC_ERROR_FILE"] = error_file
         attempt_dir = Path(next((w.error_file for w in workers), ".")).parent.parent
-        given = {STDOUT: dest.filtered_stdout, STDERR: dest.filtered_stderr}
+        # torch before 2.9 has no duplicate filters: its LogsDest names no filtered files.
+        given = {
+            STDOUT: getattr(dest, "filtered_stdout", ""),
+            STDERR: getattr(dest, "filtered_stderr", ""),
+        }
         return AttemptLogs(tuple(workers), _filtered(attempt_dir, filters, given))

@@ -111,7 +111,7 @@ def target_for(request: RendezvousRequest) -> Target:
         "socket_connect_timeout": timeout,
         "socket_timeout": read_timeout,
         "socket_keepalive": True,
-        "retry": Retry(NoBackoff(), 0),  # the protocol retries, with its own backoff
+        "retry": _no_retry(),
         "protocol": 2,
         **_NO_CLIENT_SETINFO,
     }
@@ -132,6 +132,14 @@ def target_for(request: RendezvousRequest) -> Target:
         tls=tls,
         options=options,
     )
+
+
+def _no_retry() -> Any:
+    """redis-py's setting for a client that does not retry: the protocol retries, with its
+    own backoff. Called as Any: redis-py types these classes in some releases, not all."""
+    retry: Any = Retry
+    backoff: Any = NoBackoff
+    return retry(backoff(), 0)
 
 
 def _sentinel_target(
@@ -158,15 +166,17 @@ def _sentinel_target(
     sentinel_settings = {
         "socket_connect_timeout": timeout,
         "socket_timeout": timeout,
-        "retry": Retry(NoBackoff(), 0),
+        "retry": _no_retry(),
         "protocol": 2,
     }
     if tls:
         sentinel_settings.update({k: v for k, v in connection.items() if k.startswith("ssl")})
 
+    sentinel: Any = Sentinel  # typed from redis-py 8.2 on, untyped before
+
     def client() -> Any:
-        manager = Sentinel(sentinels, sentinel_kwargs=sentinel_settings, **connection)  # type: ignore[no-untyped-call]
-        return manager.master_for(str(master))  # type: ignore[no-untyped-call]
+        manager = sentinel(sentinels, sentinel_kwargs=sentinel_settings, **connection)
+        return manager.master_for(str(master))
 
     listed = ",".join(f"{host}:{port}" for host, port in sentinels)
     return Target(
