@@ -133,7 +133,7 @@ def test_a_full_disk_fails_the_save_not_the_checkpoints(
             assert "asynchronous save: checkpoint of step 10 not saved" in result.stderr
         recovery.seconds = seconds_to_failure_report(job)
         recovery.notes.append("to the failure report")
-        assert_no_worker_left(str(job))  # the forked writer included
+        assert_no_worker_left(str(job))
         assert_intact(directory, [0, 5])
 
 

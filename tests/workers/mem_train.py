@@ -2,7 +2,7 @@
 state asynchronously after it (to node memory under ``--checkpoint-memory``).
 
 Usage: mem_train.py STEPS [--step-seconds S] [--kill-rank R --kill-at STEP]
-       [--tear-at STEP] [--damage-at STEP] [--stop-file PATH] [--megabytes MB]
+       [--tear-at STEP] [--stop-file PATH] [--megabytes MB]
        [--save-every N] [--busy-rank R --busy-seconds S]
 
 With ``--save-every N`` rank 0 saves after every N-th step only. Every rank tells its
@@ -11,8 +11,8 @@ S seconds more than the others before each step's all-reduce (a straggler).
 
 Only a fresh start (nothing loaded) kills: rank R SIGKILLs itself in step STEP, after
 its all-reduce (so rank 0 has saved the step before, and may be saving this one);
-rank 0 at ``--tear-at`` SIGKILLs the process writing that step's copy, then itself (a torn
-copy); at ``--damage-at`` it waits for the copy, flips a byte of it, then dies. Prints
+rank 0 at ``--tear-at`` SIGKILLs itself in the middle of copying that step's state into
+its arena (a torn copy). Prints
 ``memory=PATH rank=R pid=P`` once, ``resumed source=S step=N`` after a load and ``done step=N world=W``
 after each step.
 """
@@ -21,7 +21,6 @@ import argparse
 import os
 import signal
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -35,7 +34,6 @@ parser.add_argument("--step-seconds", type=float, default=0.05)
 parser.add_argument("--kill-rank", type=int, default=-1)
 parser.add_argument("--kill-at", type=int, default=-1)
 parser.add_argument("--tear-at", type=int, default=-1)
-parser.add_argument("--damage-at", type=int, default=-1)
 parser.add_argument("--stop-file", default="")
 parser.add_argument("--megabytes", type=float, default=0.01)
 parser.add_argument("--save-every", type=int, default=1)
@@ -77,18 +75,9 @@ for step in range(start, args.steps):
     state["w"] += 1
     rallypoint.heartbeat(step=step)  # rank 0's save would say it too; the others' would not
     if rank == 0 and (step + 1) % args.save_every == 0:
+        if fresh and step == args.tear_at:  # killed by the copy, its record saying WRITING
+            torch.Tensor.copy_ = lambda *args, **kwargs: die()  # type: ignore[method-assign]
         checkpoint.save(state, step, asynchronous=True)
-        if fresh and step == args.tear_at:
-            for pid in os.listdir(Path(memory) / "writers"):  # the writer of this step
-                os.kill(int(pid), signal.SIGKILL)
-            die()
-        if fresh and step == args.damage_at:
-            checkpoint.wait()
-            copy = Path(memory) / "checkpoints" / f"step-{step:012d}" / "state.pt"
-            data = bytearray(copy.read_bytes())
-            data[len(data) // 2] ^= 0xFF
-            copy.write_bytes(bytes(data))
-            die()
     print(f"done step={step} world={world}", flush=True)
     time.sleep(args.step_seconds)
 checkpoint.wait()

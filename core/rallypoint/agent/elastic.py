@@ -485,8 +485,6 @@ class Agent:
         self._oom_kills = cgroup_kills()  # a kill counted after this is one of ours
         keeper = self._keeper()
         group = WorkerGroup.start(keeper, self.warm.spawn, specs, logs.filtered, config.role)
-        if self.memory is not None:
-            group.before_sweep = self.memory.wait_for_writers
         self.warm.started(keeper)
         return group
 

@@ -61,10 +61,6 @@ PER_WORKER = frozenset(
 )
 
 
-#: torch's switch for huge pages in its CPU allocator (c10's alloc_cpu).
-THP_ALLOC = "THP_MEM_ALLOC_ENABLE"
-
-
 def job_environment(config: LaunchConfig, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """What every worker of this node shares: the agent's environment (or ``base``) with
     torchrun's defaults. The preloaded interpreter imports with exactly this."""
@@ -76,11 +72,6 @@ def job_environment(config: LaunchConfig, base: Mapping[str, str] | None = None)
     # Inherited (an agent run by a worker): not this agent's watchdog, nor its memory.
     for name in (env.PROGRESS_TIMEOUT, *MEMORY_TIER):
         environ.pop(name, None)
-    if config.checkpoint_memory:
-        # torch's CPU allocator then asks for huge pages for large tensors: forking the
-        # process that snapshots them for a memory checkpoint copies 512 times fewer page
-        # table entries (read by torch at its first allocation, hence here).
-        environ.setdefault(THP_ALLOC, "1")
     return environ
 
 

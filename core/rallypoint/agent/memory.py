@@ -1,9 +1,10 @@
 """This node's memory checkpoints (``--checkpoint-memory``), which the agent owns.
 
 The agent makes a directory in shared memory (``/dev/shm``) when it starts and hands it
-to its workers (``RALLYPOINT_MEMORY_TIER``): ``rallypoint.checkpoint`` saves under its
-``checkpoints/``, so a save costs a copy in memory, and the copy outlives a worker's crash
-and its restart. In the background, while the workers train on, the agent
+to its workers (``RALLYPOINT_MEMORY_TIER``): each worker's saves go to its arena under
+``arena/`` (``rallypoint.checkpoint.arena``), so a save costs a copy in memory, and the
+copy outlives a worker's crash and its restart. In the background, while the workers
+train on, the agent, holding the copy against a rewrite while it reads it,
 
 * sends each new memory checkpoint to the next node of the round (group rank + 1), whose
   agent keeps the newest under ``peer/`` (``rallypoint.agent.peers``): a node lost loses
@@ -34,8 +35,9 @@ from typing import Any
 from rallypoint import events
 from rallypoint.agent import peers
 from rallypoint.checkpoint import manifest as mf
-from rallypoint.checkpoint import writers
-from rallypoint.checkpoint.checkpointer import open_storage
+from rallypoint.checkpoint import slot
+from rallypoint.checkpoint.checkpointer import PEER_FOLDER, open_storage
+from rallypoint.checkpoint.copies import Copies
 from rallypoint.checkpoint.storage import FileStorage
 from rallypoint.checkpoint.tier import MEMORY, PEER, Tier, size_text
 from rallypoint.config import SHARED_MEMORY, LaunchConfig
@@ -103,9 +105,12 @@ class NodeMemory:
             )
         run = re.sub(r"[^A-Za-z0-9_.-]", "_", config.rdzv_id)[:40]
         self.path = Path(tempfile.mkdtemp(prefix=f"rallypoint-{run}-", dir=SHARED_MEMORY))
-        budget, keep = config.checkpoint_memory, config.checkpoint_memory_keep
-        self.tier = Tier(FileStorage(str(self.path / writers.CHECKPOINTS)), keep, MEMORY, budget)
-        self.peer = Tier(FileStorage(str(self.path / writers.PEER)), 1, PEER, budget)
+        (self.path / slot.ARENA).mkdir()
+        #: The node's own copies, in its workers' arenas; a peer's copy, in peer/.
+        self.copies = Copies(self.path / slot.ARENA)
+        self.peer = Tier(
+            FileStorage(str(self.path / PEER_FOLDER)), 1, PEER, config.checkpoint_memory
+        )
         self._emit = emit
         self._saves = 0
         self.persisted: int | None = None  # the newest step made durable
@@ -115,7 +120,7 @@ class NodeMemory:
         self.server: peers.PeerServer | None = None
         if config.max_nodes > 1:
             try:
-                self.server = peers.PeerServer(host, [self.tier, self.peer], self.peer)
+                self.server = peers.PeerServer(host, [self.copies, self.peer], self.peer)
             except OSError as error:
                 shutil.rmtree(self.path, ignore_errors=True)
                 raise CheckpointError(
@@ -127,7 +132,7 @@ class NodeMemory:
 
     def held(self) -> set[int]:
         """The steps of the complete copies this node holds: its own and a peer's."""
-        return self.tier.complete_steps() | self.peer.complete_steps()
+        return self.copies.complete_steps() | self.peer.complete_steps()
 
     def offer(self) -> dict[str, str]:
         """What this node tells the round: its server and the steps it holds."""
@@ -199,7 +204,8 @@ class NodeMemory:
         if server is None:
             return
         try:
-            peers.put(server, self.tier, step)
+            with self.copies.hold(step) as held:
+                peers.put(server, held)
         except (OSError, ValueError, CheckpointError, mf.Damaged) as error:
             logger.warning("checkpoint of step %d not sent to %s: %s", step, server, error)
 
@@ -209,7 +215,8 @@ class NodeMemory:
             return
         began = time.perf_counter()
         try:
-            copied = self.durable.copy(self.tier, step)
+            with self.copies.hold(step) as held:
+                copied = self.durable.receive(held.manifest, held.open)
         except (CheckpointError, mf.Damaged, OSError) as error:
             kept = f"; it keeps step {self.persisted}" if self.persisted is not None else ""
             logger.warning(
@@ -231,18 +238,6 @@ class NodeMemory:
 
     # --- stopping -------------------------------------------------------------------------
 
-    def wait_for_writers(self) -> None:
-        """Before the agent kills what stopped workers left behind: let the processes
-        writing a memory checkpoint finish (bounded by ``--shutdown-timeout``)."""
-        left = writers.wait(self.path, self.config.shutdown_timeout)
-        if left:
-            logger.warning(
-                "checkpoint writer pid %s did not finish within %g s: stopping it; the copy "
-                "before it is the newest",
-                ", ".join(map(str, left)),
-                self.config.shutdown_timeout,
-            )
-
     def close(self, why: str) -> None:
         """The agent stops (``why``): make the newest memory checkpoint durable if it is
         not yet (bounded by ``--shutdown-timeout``), then remove the directory."""
@@ -257,7 +252,7 @@ class NodeMemory:
     def _persist_newest(self, why: str) -> None:
         # This node's own copies only: a peer's copy is the saving node's to make durable
         # (two agents writing one step into one directory would undo each other's files).
-        newest = max(self.tier.complete_steps(), default=None)
+        newest = max(self.copies.complete_steps(), default=None)
         if newest is not None and (self.persisted is None or newest > self.persisted):
             logger.info(
                 "%s: copying checkpoint of step %d to %s", why, newest, self.config.checkpoint_dir

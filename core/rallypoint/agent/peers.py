@@ -21,10 +21,11 @@ import socketserver
 import struct
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any, BinaryIO
+from contextlib import AbstractContextManager
+from typing import Any, BinaryIO, Protocol
 
 from rallypoint.checkpoint import manifest as mf
-from rallypoint.checkpoint.tier import Tier
+from rallypoint.checkpoint.tier import Held, Tier
 
 logger = logging.getLogger("rallypoint.agent")
 
@@ -53,20 +54,25 @@ def _receive(stream: BinaryIO) -> dict[str, Any]:
     return message
 
 
-def _send_files(stream: BinaryIO, tier: Tier, manifest: mf.Manifest) -> None:
-    name = mf.directory(manifest.step)
-    for file_name in manifest.files:
-        with tier.storage.reader(f"{name}/{file_name}") as reader:
+class Source(Protocol):
+    """Where the checkpoints a server serves are: a ``Tier``, the node's ``Copies``."""
+
+    def hold(self, step: int) -> AbstractContextManager[Held]: ...
+
+
+def _send_files(stream: BinaryIO, held: Held) -> None:
+    for file_name in held.manifest.files:
+        with held.open(file_name) as reader:
             while chunk := reader.read(_CHUNK):
                 stream.write(chunk)
 
 
 class PeerServer:
-    """Serves ``tiers`` (the node's own memory copies and the peer copy it holds) and
+    """Serves ``sources`` (the node's own memory copies and the peer copy it holds) and
     keeps what peers send in ``inbox``. Listens on ``host``, a free port."""
 
-    def __init__(self, host: str, tiers: Sequence[Tier], inbox: Tier) -> None:
-        self.tiers = list(tiers)
+    def __init__(self, host: str, sources: Sequence[Source], inbox: Tier) -> None:
+        self.sources = list(sources)
         self.inbox = inbox
         self._lock = threading.Lock()  # one copy written into the inbox at a time
         owner = self
@@ -109,11 +115,10 @@ class PeerServer:
             _send(writer, {"ok": True})
         elif request.get("op") == "get":
             step = int(request["step"])
-            for tier in self.tiers:
-                with contextlib.suppress(mf.Damaged):
-                    manifest = tier.manifest(mf.directory(step))
-                    _send(writer, {"ok": True, "manifest": manifest.encode().decode()})
-                    _send_files(writer, tier, manifest)
+            for source in self.sources:
+                with contextlib.suppress(mf.Damaged), source.hold(step) as held:
+                    _send(writer, {"ok": True, "manifest": held.manifest.encode().decode()})
+                    _send_files(writer, held)
                     return
             _send(writer, {"ok": False, "reason": f"no complete copy of step {step} here"})
         writer.flush()
@@ -130,12 +135,11 @@ def _connect(address: str) -> Iterator[tuple[BinaryIO, BinaryIO]]:
         yield reader, writer
 
 
-def put(address: str, tier: Tier, step: int) -> None:
-    """Send the checkpoint of ``step`` from ``tier`` to the agent at ``address``."""
-    manifest = tier.manifest(mf.directory(step))
+def put(address: str, held: Held) -> None:
+    """Send the checkpoint ``held`` to the agent at ``address``."""
     with _connect(address) as (reader, writer):
-        _send(writer, {"op": "put", "manifest": manifest.encode().decode()})
-        _send_files(writer, tier, manifest)
+        _send(writer, {"op": "put", "manifest": held.manifest.encode().decode()})
+        _send_files(writer, held)
         writer.flush()
         answer = _receive(reader)
     if not answer.get("ok"):

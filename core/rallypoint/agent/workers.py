@@ -269,9 +269,6 @@ class WorkerGroup:
         self.workers = list(workers)
         self.keeper = keeper
         self._filtered: dict[int, _Filtered] = {}
-        #: Called once the workers are dead, before what they left running is killed
-        #: (the agent's memory checkpoints: a writer finishes its copy).
-        self.before_sweep: Callable[[], None] | None = None
 
     @classmethod
     def start(
@@ -387,8 +384,6 @@ class WorkerGroup:
                 sig.name,
             )
         self.kill(stubborn)
-        if self.before_sweep is not None:
-            self.before_sweep()
         left = self.keeper.sweep(0.0 if sig == signal.SIGKILL else HELPER_GRACE)
         if left:
             logger.info("stopped %d process(es) the workers had left running", left)

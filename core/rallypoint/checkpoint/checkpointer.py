@@ -4,36 +4,34 @@ background, whichever storage ``--checkpoint-dir`` names."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import io
 import logging
+import mmap
 import os
-import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from rallypoint.checkpoint import arena, slot
 from rallypoint.checkpoint import manifest as mf
-from rallypoint.checkpoint import writers
+from rallypoint.checkpoint.copies import FILE, FORMAT, Copies
+from rallypoint.checkpoint.copying import Staging
 from rallypoint.checkpoint.storage import FileStorage
-from rallypoint.checkpoint.tier import BEGUN, DURABLE, MEMORY, PEER, NoRoom, Tier, room_error
+from rallypoint.checkpoint.tier import BEGUN, DURABLE, MEMORY, PEER, Tier
 from rallypoint.interfaces import CheckpointError, CheckpointStorage
 from rallypoint.worker import channel as worker_channel
 from rallypoint.worker import env, progress
-from rallypoint.worker.lifetime import die_with_parent
 
 logger = logging.getLogger("rallypoint.checkpoint")
-
-#: Saves to node memory written at once: a save begins while the one before it is still
-#: being written (a worker that dies meanwhile loses neither), but not while two are.
-IN_FLIGHT = 2
 
 #: The variable the agent sets from ``--checkpoint-dir``.
 URL_ENV = env.CHECKPOINT_URL
 STATE_FILE = "state.pt"
 SHARDS = "shards"
+#: The agent's memory directory: where a peer's copies go (the node's own are in arena/).
+PEER_FOLDER = "peer"
 
 
 @dataclass(frozen=True)
@@ -67,40 +65,28 @@ def open_storage(url: str) -> CheckpointStorage:
     return store.open(url)
 
 
-@dataclass
-class _Pending:
-    """A background save: its step, the thread that writes it (or waits for its writer),
-    the state's bytes it will add to its tier, and the error it failed with."""
+@dataclass(frozen=True)
+class _Candidate:
+    """A copy a load may take: its step, where it is (``source``, ``order`` among copies of
+    one step: memory first), and what loads it (the state, the saving world size)."""
 
     step: int
-    thread: threading.Thread | None = None
-    size: int = 0
-    error: BaseException | None = None
-
-
-def memory_tiers() -> list[Tier]:
-    """This node's memory tiers as the agent's ``--checkpoint-memory`` set them up for the
-    workers (its own copies, where saves go, and the copy a peer sent); none without it."""
-    path = os.environ.get(env.CHECKPOINT_MEMORY)
-    if not path:
-        return []
-    budget = env.env_int(env.CHECKPOINT_MEMORY_BYTES)
-    keep = env.env_int(env.CHECKPOINT_MEMORY_KEEP) or 1
-    return [
-        Tier(FileStorage(os.path.join(path, writers.CHECKPOINTS)), keep, MEMORY, budget),
-        Tier(FileStorage(os.path.join(path, writers.PEER)), 1, PEER, budget),
-    ]
+    order: int
+    source: str
+    where: str
+    load: Callable[[], tuple[Any, int, int]]  # (state, world size, bytes)
 
 
 class Checkpointer:
-    """Checkpoints of one job: saved to one tier, loaded from the newest complete copy in
-    any.
+    """Checkpoints of one job: saved to one place, loaded from the newest complete copy
+    anywhere.
 
     ``save`` writes from rank 0 only (replicated state, as with DDP); every rank can
-    ``load_latest``. A save is atomic: payload first, manifest last, each through the
-    storage's atomic write; the ``keep_last`` newest checkpoints are kept. Under
-    ``rallypoint run --checkpoint-memory``, saves go to this node's memory (the agent
-    copies them to ``--checkpoint-dir``), unless ``storage`` is given.
+    ``load_latest``. Under ``rallypoint run --checkpoint-memory`` saves go to this node's
+    memory (the worker's arena, ``rallypoint.checkpoint.arena``), which the agent sends to
+    a peer and copies to ``--checkpoint-dir``; else, or with ``storage`` given, to the
+    durable storage, atomically (payload first, manifest last), the ``keep_last`` newest
+    kept.
     """
 
     def __init__(
@@ -113,7 +99,7 @@ class Checkpointer:
         world_size: int | None = None,
     ) -> None:
         url = url or os.environ.get(URL_ENV)
-        memory = memory_tiers() if storage is None else []
+        memory = os.environ.get(env.CHECKPOINT_MEMORY) if storage is None else None
         if storage is None and url:
             storage = open_storage(url)
         if storage is None and not memory:
@@ -122,36 +108,40 @@ class Checkpointer:
                 f"or pass a URL (the agent sets {URL_ENV})"
             )
         self.durable = None if storage is None else Tier(storage, keep_last)
-        self.memory = memory[0] if memory else None
-        #: Saves go to the first: node memory when there is some, else the durable storage.
-        self.tiers = [*memory, *([self.durable] if self.durable is not None else [])]
+        #: The agent's memory directory (``--checkpoint-memory``): saves go to its arena.
+        self.memory = Path(memory) if memory else None
+        self.copies = None if self.memory is None else Copies(self.memory / slot.ARENA)
+        self.peer = None
+        if self.memory is not None:
+            self.peer = Tier(FileStorage(str(self.memory / PEER_FOLDER)), 1, PEER)
         #: The step the round resumes from (decided by the agents), loaded in any tier.
         self.resume = env.env_int(env.CHECKPOINT_STEP) if memory else None
         self.keep_last = keep_last
         self.rank = (env.env_int(env.RANK) or 0) if rank is None else rank
         self.world_size = (env.env_int(env.WORLD_SIZE) or 1) if world_size is None else world_size
-        self._pending: list[_Pending] = []  # oldest first
+        self._arena: arena.Arena | None = None
+        self._staging = Staging()  # asynchronous saves to the durable storage
 
     @property
     def storage(self) -> CheckpointStorage:
-        """The storage saves go to."""
-        return self.tiers[0].storage
+        """The durable storage (``--checkpoint-dir``)."""
+        if self.durable is None:
+            raise CheckpointError("no --checkpoint-dir: memory checkpoints only")
+        return self.durable.storage
 
     # --- saving ---------------------------------------------------------------------------
 
     def save(self, state: Any, step: int, *, asynchronous: bool = False) -> None:
-        """Save ``state`` (anything ``torch.save`` takes) as the checkpoint of ``step``.
+        """Save ``state`` (what ``torch.save`` takes) as the checkpoint of ``step``.
 
-        Only rank 0 writes; on other ranks this returns at once. With ``asynchronous``,
-        training goes on while the file is written, from a snapshot of ``state`` taken now:
-        state in CPU memory is snapshotted by forking a writer process (copy-on-write:
-        no copy while the caller waits), state on a GPU is copied to CPU memory and
-        written by a background thread. A crash during the write leaves the previous
-        checkpoint as the newest; in node memory the writer outlives a crash of the
-        worker, and finishes the copy. A save waits for the previous one to finish,
-        except in node memory: there it waits only while two are being written (or
-        while the tier has no room for one more), so that a crash right after ``save``
-        returns loses no step.
+        Only rank 0 writes; on other ranks this returns at once. Under
+        ``--checkpoint-memory`` the state's tensors are copied into the worker's arena in
+        node memory (a pinned DMA for GPU tensors): a synchronous save returns once the copy
+        is complete, so a worker killed right after loses nothing; an asynchronous one
+        returns at once and is committed when its copy is done, every optimizer's next
+        ``step`` waiting for that (``rallypoint.checkpoint.arena``). Without it, the state
+        is written to ``--checkpoint-dir`` with ``torch.save``; with ``asynchronous`` from a
+        copy in CPU memory, by a thread, one save at a time.
 
         Raises:
             CheckpointError: the checkpoint could not be written (a full disk, a read-only
@@ -163,180 +153,53 @@ class Checkpointer:
         progress.heartbeat(step=step)  # every rank: the step is what the agent accounts by
         if self.rank != 0:
             return
+        if self.memory is not None:
+            self._memory_arena().save(
+                state, step, rank=self.rank, world_size=self.world_size, asynchronous=asynchronous
+            )
+            return
         began = time.perf_counter()
-        forked = asynchronous and hasattr(os, "fork") and _in_cpu_memory(state)
-        size = _tensor_bytes(state) if asynchronous else 0
-        if forked and self.tiers[0] is self.memory:
-            self._make_way(size)
-        else:
-            self.wait()
+        self.wait()
         if not asynchronous:
             self._write(state, step, began, blocked=None)
             return
-        pending = _Pending(step, size=size)
-        if forked:
-            background = self._fork_writer(state, step, began, pending)
-        else:
-            snapshot = snapshot_to_cpu(state)
-            blocked = time.perf_counter() - began
-
-            def background() -> None:
-                self._write_in_background(snapshot, step, began, blocked, pending)
-
-        pending.thread = threading.Thread(
-            target=background, name=f"rallypoint-checkpoint-{step}"
-        )  # not a daemon: a worker that returns normally finishes its last save first
-        pending.thread.start()
-        self._pending.append(pending)
+        # Copied into host memory first (the loop waits for none of it, its optimizer's
+        # next step for the copy), then written by the copying thread.
+        self._staging.stage(
+            state,
+            f"checkpoint of step {step}",
+            began,
+            lambda staged, blocked: self._write(staged, step, began, blocked),
+        )
 
     def wait(self) -> None:
         """Wait for the background saves to finish; raise the error of one that failed."""
-        while self._pending:
-            self._finish_oldest()
+        if self._arena is not None:
+            self._arena.wait()
+        while (done := self._staging.copier.next_done()) is not None:
+            if done.error is not None:
+                raise CheckpointError(
+                    f"the background checkpoint save failed: {done.error}"
+                ) from done.error
 
-    def _make_way(self, size: int) -> None:
-        """Before a save to node memory: finish the saves already written; wait for the
-        oldest while IN_FLIGHT are being written, or while the tier's budget has no room
-        for ``size`` more bytes beside what they will take."""
-        while self._pending and not self._pending[0].thread.is_alive():  # type: ignore[union-attr]
-            self._finish_oldest()
-        tier = self.tiers[0]
-        while self._pending:
-            writing = sum(p.size for p in self._pending)
-            room = None if tier.budget is None else tier.budget - tier.used() - writing
-            if len(self._pending) < IN_FLIGHT and (room is None or size <= room):
-                return
-            self._finish_oldest()
-
-    def _finish_oldest(self) -> None:
-        """Wait for the oldest background save; raise its error, unless a save begun after
-        it is complete (its step is superseded: nothing is lost)."""
-        pending = self._pending.pop(0)
-        assert pending.thread is not None
-        pending.thread.join()
-        error = pending.error
-        if error is None:
-            return
-        if self._pending and max(self.tiers[0].complete_steps(), default=-1) > pending.step:
-            logger.info("checkpoint %d not saved (%s); a newer one is", pending.step, error)
-            return
-        raise CheckpointError(f"the background checkpoint save failed: {error}") from error
-
-    def _fork_writer(
-        self, state: Any, step: int, began: float, pending: _Pending
-    ) -> Callable[[], None]:
-        """Fork a process that writes ``state`` as the fork left it; return what waits
-        for it. The child shares the parent's memory copy-on-write, so the parent only
-        pays for the pages it changes while the child writes.
-
-        A writer to durable storage dies with the worker. A writer to node memory outlives
-        it, in a session of its own (the worker's process group is killed on a restart),
-        and says so in the tier (``writers.mark``): the agent waits for it before it
-        stops what the workers left behind, so a crash loses no step that was saved."""
-        outlive = self.tiers[0] is self.memory
-        if outlive:
-            self._check_room(pending.size, step)
-        parent = os.getpid()
-        errors, error_pipe = os.pipe()  # the child's error, for the parent to raise
-        wall = time.time() - (time.perf_counter() - began)
-        pid = os.fork()
-        if pid == 0:  # the child: write, report, and leave without running any cleanup
-            code = 1
-            try:
-                if outlive:  # out of the worker's group first: a restart's SIGTERM misses it
-                    os.setsid()
-                os.close(errors)
-                _without_zip_checksums()
-                if outlive:
-                    self._write_to_memory(state, step, wall, time.perf_counter() - began)
-                else:
-                    die_with_parent(parent)  # a worker killed mid-write takes the write along
-                    self._write(state, step, began, blocked=time.perf_counter() - began)
-                code = 0
-            except BaseException as error:
-                logger.error("asynchronous save: %s", error)
-                with contextlib.suppress(BaseException):  # a pipe's buffer holds 4 KiB
-                    os.write(error_pipe, str(error).encode()[:4096])
-            finally:
-                os._exit(code)
-        os.close(error_pipe)
-        if outlive:
-            writers.mark(os.environ[env.CHECKPOINT_MEMORY], pid)
-
-        def wait_for_child() -> None:
-            _, status = os.waitpid(pid, 0)
-            if outlive:  # gone for good now (reaped): its exit took a while to finish
-                writers.unmark(os.environ[env.CHECKPOINT_MEMORY], pid)
-            with os.fdopen(errors, "rb") as pipe:
-                message = pipe.read().decode("utf-8", "replace")
-            code = os.waitstatus_to_exitcode(status)
-            if code != 0:
-                reason = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-                pending.error = CheckpointError(
-                    message or f"the process writing checkpoint {step} failed ({reason})"
-                )
-
-        return wait_for_child
-
-    def _check_room(self, size: int, step: int) -> None:
-        """Before a memory save forks: its tensors alone (``size`` bytes) must fit in the
-        tier's budget, beside the copies it keeps (the exact size is checked once it is
-        written)."""
-        tier = self.tiers[0]
-        if tier.budget is None:
-            return
-        room = tier.budget - tier.used()
-        if size > room:
-            raise CheckpointError(room_error(f"{mf.directory(step)}/{STATE_FILE}", tier, room))
-
-    def _write_to_memory(self, state: Any, step: int, began: float, blocked: float) -> None:
-        """A save to node memory, in the writer: ``torch.save`` straight to a file there
-        (the fastest way out), then let go of the worker's memory (as long as the writer
-        maps it, every page training changes is copied), then hash the file and write the
-        manifest. ``began``: wall time."""
-        import torch
-
-        tier = self.tiers[0]
-        assert isinstance(tier.storage, FileStorage)
-        name = f"{mf.directory(step)}/{STATE_FILE}"
-        target = tier.storage.path(name)
-        partial = target.with_name(f".tmp-{STATE_FILE}-{os.getpid()}")
-        try:
-            tier.begin(step)
-            torch.save(state, partial)
-            os.replace(partial, target)
-            _release(state)
-            entry = _file_entry(target)
-            room = tier.budget - tier.used() if tier.budget is not None else None
-            if room is not None and entry.size > room:
-                raise NoRoom(room_error(name, tier, room))
-            tier.commit(step, self.world_size, "torch", {STATE_FILE: entry})
-        except BaseException as error:
-            partial.unlink(missing_ok=True)
-            raise tier.failed(step, error) from error
-        worker_channel.send(
-            "checkpoint_saved",
-            step=step,
-            seconds=time.time() - began,
-            bytes=entry.size,
-            blocked_seconds=blocked,
-            asynchronous=True,
-            tier=tier.source,
-        )
-
-    def _write_in_background(
-        self, state: Any, step: int, began: float, blocked: float, pending: _Pending
-    ) -> None:
-        try:
-            self._write(state, step, began, blocked)
-        except BaseException as error:
-            logger.error("asynchronous save: %s", error)
-            pending.error = error
+    def _memory_arena(self) -> arena.Arena:
+        if self._arena is None:
+            assert self.memory is not None
+            local_rank = env.env_int(env.NODE_LOCAL_RANK)
+            self._arena = arena.Arena(
+                self.memory,
+                (env.env_int(env.LOCAL_RANK) or 0) if local_rank is None else local_rank,
+                keep=env.env_int(env.CHECKPOINT_MEMORY_KEEP) or 1,
+                budget=env.env_int(env.CHECKPOINT_MEMORY_BYTES),
+                saved=_tell_agent,
+            )
+        return self._arena
 
     def _write(self, state: Any, step: int, began: float, blocked: float | None) -> None:
         import torch
 
-        tier = self.tiers[0]
+        tier = self.durable
+        assert tier is not None
         name = mf.directory(step)
         # A synchronous save holds up training: its writes are the worker's progress.
         writer: mf.HashingWriter | None = None
@@ -409,11 +272,12 @@ class Checkpointer:
 
         tier = self._sharded_tier()
 
-        def load(tier: Tier, name: str, manifest: mf.Manifest) -> None:
+        def load(name: str, manifest: mf.Manifest) -> tuple[Any, int]:
             tier.verify_files(name, manifest)
             dcp_load(state, checkpoint_id=_local_path(tier, f"{name}/{SHARDS}"))
+            return None, sum(entry.size for entry in manifest.files.values())
 
-        return self._load_newest("dcp", load, [tier])
+        return self._load_newest(self._tier_candidates(tier, 0, {"dcp": load}))
 
     def _sharded_tier(self) -> Tier:
         if self.durable is None:
@@ -428,82 +292,169 @@ class Checkpointer:
     def load_latest(
         self, *, map_location: Any = "cpu", weights_only: bool = True
     ) -> Checkpoint | None:
-        """The newest checkpoint that is complete and intact, in node memory or the durable
-        storage (memory first when both hold a step), or ``None`` if there is none;
-        ``source`` says which it came from.
+        """The newest checkpoint that is complete and intact, in node memory (this node's
+        own copies, a peer's) or the durable storage (memory first when both hold a step),
+        or ``None`` if there is none; ``source`` says which it came from. Under
+        ``--checkpoint-memory``, none newer than the round's step.
 
         A newer one that is unfinished, truncated or fails its checksum is skipped with a
         warning naming it and the reason, and the one before it is loaded.
+        ``map_location``: where the tensors go, as for ``torch.load`` (a device, or a dict
+        from the saved device to another); a memory copy goes straight to a GPU.
         """
-        import torch
+        options = {"map_location": map_location, "weights_only": weights_only}
+        candidates = []
+        if self.copies is not None:
+            for copy in self.copies.newest(rank=0, most=self.resume):
 
-        loaded: list[Any] = []
+                def load(copy: slot.Copy = copy) -> tuple[Any, int, int]:
+                    try:
+                        state = arena.load_copy(copy, **options)
+                    except slot.Busy:
+                        raise mf.Damaged("written over while it was read") from None
+                    return state, copy.record.world_size, copy.record.size
 
-        def load(tier: Tier, name: str, manifest: mf.Manifest) -> None:
-            entry = manifest.files.get(STATE_FILE)
-            if entry is None:
-                raise mf.Damaged(f"the manifest lists no {STATE_FILE}")
-            data = tier.read(f"{name}/{STATE_FILE}")
-            mf.verify(STATE_FILE, data, entry)
-            loaded.append(
-                torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
-            )
-
-        checkpoint = self._load_newest("torch", load, self.tiers, self.resume)
-        if checkpoint is None:
-            return None
-        return replace(checkpoint, state=loaded[0])
-
-    def steps(self) -> list[int]:
-        """The steps of the complete checkpoints (manifest written) in any tier, oldest
-        first."""
-        return sorted(set().union(*(tier.complete_steps() for tier in self.tiers)))
-
-    def _load_newest(
-        self, format_: str, load: Any, tiers: list[Tier], resume: int | None = None
-    ) -> Checkpoint | None:
-        began = time.perf_counter()
-        skipped: list[str] = []
-        # Newest first; of two copies of one step, the first tier's (memory: faster).
-        candidates = sorted(
-            ((step, -i, tier) for i, tier in enumerate(tiers) for step in tier.all_steps()),
-            key=lambda c: (c[0], c[1]),
-            reverse=True,
-        )
-        if resume is not None:
+                where = f"{mf.directory(copy.step)} ({MEMORY})"
+                candidates.append(_Candidate(copy.step, 0, MEMORY, where, load))
+        readers = {
+            "torch": lambda tier, name, manifest: _load_torch(tier, name, manifest, options),
+            FORMAT: lambda tier, name, manifest: _load_slot_file(tier, name, manifest, options),
+        }
+        for order, tier in enumerate(t for t in (self.peer, self.durable) if t is not None):
+            formats = {
+                name: (lambda name, manifest, read=read, tier=tier: read(tier, name, manifest))
+                for name, read in readers.items()
+            }
+            candidates += self._tier_candidates(tier, order + 1, formats)
+        if self.resume is not None:
             # Every rank of the round loads the same step: none newer than the round's.
-            candidates = [c for c in candidates if c[0] <= resume]
-            if not any(step == resume for step, _, _ in candidates):
+            candidates = [c for c in candidates if c.step <= self.resume]
+            if not any(c.step == self.resume for c in candidates):
                 logger.warning(
                     "this node holds no copy of step %d, the round's checkpoint: loading an "
                     "older one, which the other nodes' ranks will not",
-                    resume,
+                    self.resume,
                 )
-        for step, _, tier in candidates:
+        return self._load_newest(candidates)
+
+    def steps(self) -> list[int]:
+        """The steps of the complete checkpoints anywhere (memory, a peer's, durable),
+        oldest first."""
+        found = set() if self.copies is None else self.copies.complete_steps()
+        for tier in (self.peer, self.durable):
+            if tier is not None:
+                found |= tier.complete_steps()
+        return sorted(found)
+
+    def _tier_candidates(
+        self, tier: Tier, order: int, formats: Mapping[str, Callable[[str, mf.Manifest], Any]]
+    ) -> list[_Candidate]:
+        """A candidate per checkpoint in ``tier``, loaded by its format's function (``(name,
+        manifest) -> (state, bytes)``)."""
+        found = []
+        for step in tier.all_steps():
             name = mf.directory(step)
-            where = f"{name} ({tier.source})" if len(tiers) > 1 else name
-            try:
+
+            def load(name: str = name) -> tuple[Any, int, int]:
                 manifest = tier.manifest(name)
-                if manifest.format != format_:
-                    raise mf.Damaged(f"it is a {manifest.format} checkpoint, not {format_}")
-                load(tier, name, manifest)
+                read = formats.get(manifest.format)
+                if read is None:
+                    raise mf.Damaged(
+                        f"it is a {manifest.format} checkpoint, not {' or '.join(formats)}"
+                    )
+                state, size = read(name, manifest)
+                return state, manifest.world_size, size
+
+            found.append(_Candidate(step, order, tier.source, f"{name} ({tier.source})", load))
+        return found
+
+    def _load_newest(self, candidates: list[_Candidate]) -> Checkpoint | None:
+        """The newest candidate that loads; of two copies of one step, the first's."""
+        began = time.perf_counter()
+        skipped: list[str] = []
+        several = len({c.source for c in candidates}) > 1
+        for candidate in sorted(candidates, key=lambda c: (-c.step, c.order)):
+            where = candidate.where if several else mf.directory(candidate.step)
+            try:
+                state, world_size, size = candidate.load()
             except mf.Damaged as reason:
                 skipped.append(f"{where}: {reason}")
                 logger.warning("checkpoint %s skipped: %s", where, reason)
                 continue
             if skipped:
                 logger.warning("loaded checkpoint %s instead", where)
-            size = sum(entry.size for entry in manifest.files.values())
             worker_channel.send(
                 "checkpoint_loaded",
-                step=step,
+                step=candidate.step,
                 seconds=time.perf_counter() - began,
                 bytes=size,
                 skipped=len(skipped),
-                source=tier.source,
+                source=candidate.source,
             )
-            return Checkpoint(step, manifest.world_size, None, tuple(skipped), tier.source)
+            return Checkpoint(candidate.step, world_size, state, tuple(skipped), candidate.source)
         return None
+
+
+def _tell_agent(saved: arena.Saved) -> None:
+    worker_channel.send(
+        "checkpoint_saved",
+        step=saved.step,
+        seconds=saved.seconds,
+        bytes=saved.bytes,
+        blocked_seconds=saved.blocked,
+        asynchronous=saved.asynchronous,
+        tier=MEMORY,
+    )
+
+
+def _load_torch(
+    tier: Tier, name: str, manifest: mf.Manifest, options: dict[str, Any]
+) -> tuple[Any, int]:
+    """A checkpoint ``torch.save`` wrote (``save`` to durable storage)."""
+    import torch
+
+    entry = manifest.files.get(STATE_FILE)
+    if entry is None:
+        raise mf.Damaged(f"the manifest lists no {STATE_FILE}")
+    data = tier.read(f"{name}/{STATE_FILE}")
+    mf.verify(STATE_FILE, data, entry)
+    state = torch.load(
+        io.BytesIO(data), map_location=options["map_location"], weights_only=options["weights_only"]
+    )
+    return state, entry.size
+
+
+def _load_slot_file(
+    tier: Tier, name: str, manifest: mf.Manifest, options: dict[str, Any]
+) -> tuple[Any, int]:
+    """A memory checkpoint an agent sent or made durable: a slot's bytes in one file,
+    checked against its manifest, then loaded as a slot is (from a local file as it lies;
+    from another storage, through a temporary file)."""
+    file_name = FILE.format(rank=0)
+    entry = manifest.files.get(file_name)
+    if entry is None:
+        raise mf.Damaged(f"the manifest lists no {file_name}")
+    with _local_file(tier, f"{name}/{file_name}") as path, open(path, "rb") as handle:
+        mf.verify(file_name, _mapped(handle), entry)
+        record, _ = slot.read(handle)
+        return arena.load_file(handle.fileno(), record, path, **options), entry.size
+
+
+@contextlib.contextmanager
+def _local_file(tier: Tier, name: str) -> Iterator[Path]:
+    """The file ``name`` of ``tier`` on this machine: where it lies, or a temporary copy."""
+    if isinstance(tier.storage, FileStorage):
+        path = tier.storage.path(name)
+        if not path.is_file():
+            raise mf.Damaged(f"{name.rsplit('/', 1)[-1]} is missing")
+        yield path
+        return
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(prefix="rallypoint-load-") as copy:
+        copy.write(tier.read(name))
+        copy.flush()
+        yield Path(copy.name)
 
 
 def _local_path(tier: Tier, name: str) -> str:
@@ -512,105 +463,10 @@ def _local_path(tier: Tier, name: str) -> str:
     return str(tier.storage.path(name))
 
 
-def _without_zip_checksums() -> None:
-    """In a writer process: ``torch.save`` leaves out the CRC-32 of each record of its zip
-    file (a third of the time of a save to memory): the manifest's SHA-256 of the whole
-    file is what a load checks, and ``torch.load`` reads such a file as any other."""
-    import torch.serialization
-
-    setter = getattr(torch.serialization, "set_crc32_options", None)  # torch 2.6 and later
-    if setter is not None:
-        setter(False)
-
-
-def _release(state: Any) -> None:
-    """In a writer forked from the worker, once ``state`` is written: unmap its tensors'
-    memory here (``MADV_DONTNEED``), so that the worker's pages are its own again and
-    training writes them without the kernel copying each first. Best effort."""
-    import ctypes
-
-    import torch
-
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    page = os.sysconf("SC_PAGE_SIZE")
-    seen: set[int] = set()
-    for tensor in _tensors(state):
-        if tensor.device.type != "cpu":
-            continue
-        storage = tensor.untyped_storage()
-        start, size = storage.data_ptr(), storage.nbytes()
-        if start in seen or not size:
-            continue
-        seen.add(start)
-        first = -(-start // page) * page  # whole pages inside the storage only
-        last = (start + size) // page * page
-        if last > first:
-            madvise(first, last - first, _MADV_DONTNEED)
-    del torch
-
-
-_MADV_DONTNEED = 4
-
-
-def _tensors(state: Any) -> list[Any]:
-    import torch
-
-    if isinstance(state, torch.Tensor):
-        return [state]
-    if isinstance(state, Mapping):
-        return [t for value in state.values() for t in _tensors(value)]
-    if isinstance(state, (list, tuple)):
-        return [t for value in state for t in _tensors(value)]
-    return []
-
-
-def _file_entry(path: Any) -> mf.FileEntry:
-    """The size and SHA-256 of the file at ``path``, hashed where it lies (mapped: a file
-    in shared memory is not copied to be read)."""
-    import hashlib
-    import mmap
-
-    with open(path, "rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
-        if not size:
-            return mf.FileEntry(0, hashlib.sha256().hexdigest())
-        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            return mf.FileEntry(size, hashlib.sha256(mapped).hexdigest())
-
-
-def _tensor_bytes(state: Any) -> int:
-    """The bytes of the tensors in ``state`` (what its ``torch.save`` holds, but a little)."""
-    return sum(t.numel() * t.element_size() for t in _tensors(state))
-
-
-def _in_cpu_memory(state: Any) -> bool:
-    """Whether every tensor in ``state`` lives in CPU memory (what a fork can snapshot)."""
-    return all(t.device.type == "cpu" for t in _tensors(state))
-
-
-def snapshot_to_cpu(state: Any) -> Any:
-    """A copy of ``state`` whose tensors live in CPU memory, independent of the original:
-    training may change the originals while the copy is written."""
-    import torch
-
-    if isinstance(state, torch.Tensor):
-        return state.detach().to("cpu", copy=True)
-    if isinstance(state, Mapping):
-        result: dict[Any, Any] = OrderedDict() if isinstance(state, OrderedDict) else {}
-        result.update((k, snapshot_to_cpu(v)) for k, v in state.items())
-        if hasattr(state, "_metadata"):  # a module's state_dict keeps its versions here
-            result._metadata = copy.deepcopy(state._metadata)  # type: ignore[attr-defined]
-        return result
-    if isinstance(state, list):
-        return [snapshot_to_cpu(v) for v in state]
-    if isinstance(state, tuple):
-        items = [snapshot_to_cpu(v) for v in state]
-        return type(state)(*items) if hasattr(state, "_fields") else tuple(items)
-    return copy.deepcopy(state)
+def _mapped(handle: Any) -> Any:
+    """A file's bytes, mapped (read only) to be checked: no copy of it is made."""
+    size = os.fstat(handle.fileno()).st_size
+    return mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_READ) if size else b""
 
 
 def _entry(data: bytes) -> mf.FileEntry:

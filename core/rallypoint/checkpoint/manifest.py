@@ -3,7 +3,13 @@
 A checkpoint is a directory-like prefix ``step-<step>/`` in the storage with its payload
 files and ``manifest.json``. The manifest is written only after every payload file is
 complete, so a checkpoint without one was never finished; a payload file whose size or
-SHA-256 differs from the manifest's was damaged afterwards. Either way it is skipped.
+checksum differs from the manifest's was damaged afterwards. Either way it is skipped.
+
+A file's checksum is its SHA-256, or, for a memory checkpoint's copy (``format`` "arena"),
+its CRC-32: the agent reads such a copy from node memory at memory speed, and SHA-256
+would take it three to four times as long (0.6 against 2.1 GB/s on a 2-core x86 server);
+a CRC-32 finds damage in storage or on the wire as surely, and tampering is not what a
+checksum is for.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
@@ -37,8 +44,22 @@ class Damaged(Exception):
 
 @dataclass(frozen=True)
 class FileEntry:
+    """A payload file's size and checksum: ``sha256``, or ``crc32`` (hex) where empty."""
+
     size: int
-    sha256: str
+    sha256: str = ""
+    crc32: str = ""
+
+    def encode(self) -> dict[str, Any]:
+        checksum = {"sha256": self.sha256} if self.sha256 else {"crc32": self.crc32}
+        return {"size": self.size, **checksum}
+
+    @classmethod
+    def decode(cls, data: dict[str, Any]) -> FileEntry:
+        entry = cls(int(data["size"]), str(data.get("sha256", "")), str(data.get("crc32", "")))
+        if not entry.sha256 and not entry.crc32:
+            raise KeyError("sha256")
+        return entry
 
 
 @dataclass(frozen=True)
@@ -57,7 +78,7 @@ class Manifest:
             "world_size": self.world_size,
             "created": self.created,
             "format": self.format,
-            "files": {n: {"size": f.size, "sha256": f.sha256} for n, f in self.files.items()},
+            "files": {n: f.encode() for n, f in self.files.items()},
         }
         return json.dumps(data, indent=2, sort_keys=True).encode() + b"\n"
 
@@ -73,7 +94,7 @@ class Manifest:
                 created=float(data["created"]),
                 format=str(data["format"]),
                 files={
-                    str(name): FileEntry(int(entry["size"]), str(entry["sha256"]))
+                    str(name): FileEntry.decode(dict(entry))
                     for name, entry in dict(data["files"]).items()
                 },
             )
@@ -91,15 +112,24 @@ class HashingWriter:
     ``unexpected pos 704 vs 598``). ``on_write`` is called after every write (progress).
     """
 
-    def __init__(self, target: BinaryIO, on_write: Callable[[], object] | None = None) -> None:
+    def __init__(
+        self,
+        target: BinaryIO,
+        on_write: Callable[[], object] | None = None,
+        crc32: bool = False,
+    ) -> None:
         self.target = target
         self.size = 0
         self.error: OSError | None = None
-        self._sha = hashlib.sha256()
+        self._sha = None if crc32 else hashlib.sha256()
+        self._crc = 0
         self._on_write = on_write
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
-        self._sha.update(data)
+        if self._sha is None:
+            self._crc = zlib.crc32(data, self._crc)
+        else:
+            self._sha.update(data)
         self.size += len(data)
         try:
             written = self.target.write(data)
@@ -115,11 +145,20 @@ class HashingWriter:
 
     @property
     def entry(self) -> FileEntry:
+        if self._sha is None:
+            return FileEntry(self.size, crc32=f"{self._crc:08x}")
         return FileEntry(self.size, self._sha.hexdigest())
 
 
-def verify(name: str, data: bytes, expected: FileEntry) -> None:
+def checksum(data: bytes | bytearray | memoryview, like: FileEntry) -> FileEntry:
+    """``data``'s entry, with the kind of checksum ``like`` has."""
+    if like.sha256:
+        return FileEntry(len(data), hashlib.sha256(data).hexdigest())
+    return FileEntry(len(data), crc32=f"{zlib.crc32(data):08x}")
+
+
+def verify(name: str, data: bytes | bytearray | memoryview, expected: FileEntry) -> None:
     if len(data) != expected.size:
         raise Damaged(f"{name} has {len(data)} bytes, the manifest says {expected.size}")
-    if hashlib.sha256(data).hexdigest() != expected.sha256:
+    if checksum(data, expected) != expected:
         raise Damaged(f"{name} does not match its checksum")

@@ -1,9 +1,10 @@
 """One place checkpoints are kept, in the checkpoint format: a storage with its rotation
 and, for node memory, the space it may take.
 
-A save goes to one tier (node memory when ``--checkpoint-memory`` is given, else the
-durable storage of ``--checkpoint-dir``); a load looks at every tier and takes the newest
-complete copy. The agent copies memory checkpoints to the durable tier (``copy``).
+Saves to ``--checkpoint-dir`` go to its durable tier; the agent receives into it the
+memory checkpoints it makes durable, and into the peer tier (node memory) those a peer
+sends (``receive``). A load looks at every tier, and the node's own memory copies, and
+takes the newest complete copy.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import BinaryIO
 
 from rallypoint.checkpoint import manifest as mf
@@ -26,6 +28,15 @@ MEMORY = "memory"  # this node's memory (``--checkpoint-memory``)
 PEER = "peer"  # a copy another node's agent sent to this node's memory
 DURABLE = "durable"  # ``--checkpoint-dir``
 _CHUNK = 8 << 20  # bytes per read when a checkpoint is copied from one tier to another
+
+
+@dataclass(frozen=True)
+class Held:
+    """A complete checkpoint held for reading (``Tier.hold``, ``Copies.hold``): its
+    manifest, and how to open each file it lists."""
+
+    manifest: mf.Manifest
+    open: Callable[[str], AbstractContextManager[BinaryIO]]
 
 
 class Tier:
@@ -122,14 +133,6 @@ class Tier:
             "the checkpoints saved before it are intact"
         )
 
-    def copy(self, source: Tier, step: int) -> int:
-        """Copy the complete checkpoint of ``step`` from ``source`` into this tier; the
-        bytes copied (``receive``)."""
-        name = mf.directory(step)
-        return self.receive(
-            source.manifest(name), lambda file: source.storage.reader(f"{name}/{file}")
-        )
-
     def receive(
         self, manifest: mf.Manifest, open_file: Callable[[str], AbstractContextManager[BinaryIO]]
     ) -> int:
@@ -156,7 +159,7 @@ class Tier:
 
     def _receive_file(self, reader: BinaryIO, name: str, entry: mf.FileEntry) -> int:
         with self.writer(name) as handle:
-            writer = mf.HashingWriter(handle)
+            writer = mf.HashingWriter(handle, crc32=not entry.sha256)
             while writer.size < entry.size and (
                 chunk := reader.read(min(_CHUNK, entry.size - writer.size))
             ):
@@ -166,6 +169,13 @@ class Tier:
         return writer.size
 
     # --- reading --------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def hold(self, step: int) -> Iterator[Held]:
+        """The complete checkpoint of ``step``, to read (``mf.Damaged`` if there is none)."""
+        name = mf.directory(step)
+        manifest = self.manifest(name)
+        yield Held(manifest, lambda file: self.storage.reader(f"{name}/{file}"))
 
     def manifest(self, name: str) -> mf.Manifest:
         try:

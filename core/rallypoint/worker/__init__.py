@@ -6,6 +6,5 @@ package, and the modules a training script imports (``rallypoint.checkpoint``,
 ``rallypoint.record``), run in the workers and never import the agent (an import-linter
 contract of ``make lint``). ``env`` names the variables the agent hands the workers;
 ``channel`` carries their events back; ``errors`` writes a worker's exception to its
-error file; ``progress`` sends heartbeats to the watchdog; ``lifetime`` makes a process
-die with its parent.
+error file; ``progress`` sends heartbeats to the watchdog.
 """

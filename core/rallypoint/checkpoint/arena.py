@@ -1,0 +1,506 @@
+"""A worker's arena: the slot files in node shared memory that its memory checkpoints go
+to, mapped once, pinned once for CUDA, and reused by every save (``rallypoint.checkpoint.slot``
+says what a slot holds).
+
+The agent owns the arena's folder (``RALLYPOINT_MEMORY_TIER``/arena, one folder per local
+rank): it outlives every worker, and the agent removes it at the end. A save takes the
+oldest slot that is neither one of the ``keep`` newest copies nor held by a reader, marks
+it WRITING, writes the state's tree and each tensor's raw bytes, and marks it COMMITTED.
+Nothing is pickled but the few leaves JSON cannot hold, and nothing is hashed.
+
+The tensors are copied by ``rallypoint.checkpoint.copying``: a CUDA tensor by the GPU's
+copy engine into the pinned slot, a CPU tensor with one ``copy_``. A synchronous save (the
+default) returns once the copy is complete and committed: a worker killed right after it
+loses nothing. An asynchronous save returns at once and is committed when its copy is
+done, by a thread; every optimizer's next ``step`` waits for the copy first. A worker
+killed before the commit loses that save, never the one before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import io
+import logging
+import mmap
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rallypoint.checkpoint import slot, tree
+from rallypoint.checkpoint.copying import Copier, Copy, cuda
+from rallypoint.checkpoint.manifest import Damaged
+from rallypoint.interfaces import CheckpointError
+
+logger = logging.getLogger("rallypoint.checkpoint")
+
+#: Saves being copied at once: a save begins while the one before is still copied (both
+#: slots are then taken: the newest committed copy is never written over).
+IN_FLIGHT = 2
+_LOCK = ".lock"
+_GROW = 2 << 20  # a slot grows in steps of this many bytes
+#: Map a copy to load with its pages at once: a fault per page costs more than the copy.
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+@dataclass
+class Saved:
+    """What a committed save reports to the agent (``checkpoint_saved``)."""
+
+    step: int
+    bytes: int
+    blocked: float
+    seconds: float
+    asynchronous: bool
+
+
+class _Mapped:
+    """One slot file, open and mapped (shared) for as long as the arena lives; pinned for
+    CUDA the first time a CUDA tensor is copied into it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR)
+        self.size = 0
+        self.mm: mmap.mmap | None = None
+        self.buffer: Any = None  # a uint8 tensor over the mapping
+        self.pinned = False
+        self._map()
+
+    def _map(self) -> None:
+        import torch
+
+        self.size = os.fstat(self.fd).st_size
+        if self.size:
+            self.mm = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED)
+            self.buffer = torch.frombuffer(self.mm, dtype=torch.uint8)
+
+    def _unmap(self) -> None:
+        self.unpin()
+        self.buffer = None
+        if self.mm is not None:
+            self.mm.close()
+            self.mm = None
+
+    def grow(self, size: int) -> None:
+        """Make the file (and the mapping) ``size`` bytes long."""
+        pinned = self.pinned
+        self._unmap()
+        os.ftruncate(self.fd, size)
+        self._map()
+        if pinned:
+            self.pin()
+
+    def pin(self) -> None:
+        """Page-lock the mapping for the GPU's copy engine (``cudaHostRegister``)."""
+
+        if self.pinned or not self.size:
+            return
+        code = int(cuda().cudart().cudaHostRegister(self.buffer.data_ptr(), self.size, 0))
+        if code != 0:
+            raise CheckpointError(
+                f"cannot pin the memory checkpoint slot {self.path} for the GPU "
+                f"(cudaHostRegister error {code}): is the memory lock limit (ulimit -l) too low?"
+            )
+        self.pinned = True
+
+    def unpin(self) -> None:
+        if self.pinned:
+            cuda().cudart().cudaHostUnregister(self.buffer.data_ptr())
+            self.pinned = False
+
+    def lock(self) -> bool:
+        """Take the slot for writing, unless a reader holds it."""
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+    def unlock(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def record(self) -> slot.Record | None:
+        """The record in the slot (any state), if it holds one."""
+        if self.mm is None:
+            return None
+        raw = bytes(self.mm[: slot.PAGE])
+        header_len = int.from_bytes(raw[40:48], "little")
+        if slot.PAGE + header_len > self.size:
+            return None
+        return slot.unpack(raw, bytes(self.mm[slot.PAGE : slot.PAGE + header_len]))
+
+    def write(self, offset: int, data: bytes) -> None:
+        assert self.mm is not None
+        self.mm[offset : offset + len(data)] = data
+
+    def view(self, start: int, entry: slot.Tensor) -> Any:
+        """The slot's bytes of tensor ``entry`` as a tensor of its dtype and shape."""
+        import torch
+
+        flat = self.buffer[start + entry.offset : start + entry.offset + entry.nbytes]
+        return flat.view(getattr(torch, entry.dtype)).view(entry.shape)
+
+    def close(self) -> None:
+        self._unmap()
+        os.close(self.fd)
+
+
+class Arena:
+    """The memory checkpoints of one worker (``local_rank``) under the agent's memory
+    directory ``memory``: at most ``budget`` bytes of slots in all the node's arenas
+    together, the ``keep`` newest copies never written over. ``saved(Saved)`` is told of
+    every committed save (the worker tells its agent)."""
+
+    def __init__(
+        self,
+        memory: Path,
+        local_rank: int,
+        keep: int = 1,
+        budget: int | None = None,
+        saved: Callable[[Saved], object] = lambda _saved: None,
+    ) -> None:
+        self.root = Path(memory) / slot.ARENA
+        self.folder = self.root / f"local-{local_rank}"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.keep = keep
+        self.budget = budget
+        self._saved = saved
+        self._mapped: dict[Path, _Mapped] = {}
+        self._copier = Copier()
+        self._said_waiting = False
+
+    # --- saving ---------------------------------------------------------------------------
+
+    def save(
+        self,
+        state: Any,
+        step: int,
+        *,
+        rank: int,
+        world_size: int,
+        format: str = "state",
+        asynchronous: bool = False,
+    ) -> None:
+        """Copy ``state`` into a slot as the copy of ``step``; see the module for when it
+        returns. ``CheckpointError`` when it does not fit in the budget."""
+        import torch
+
+        began = time.perf_counter()
+        node, tensors, others = tree.encode(state)
+        for index, tensor in enumerate(tensors):
+            if tensor.layout != torch.strided or tensor.is_quantized:
+                raise CheckpointError(
+                    f"{tree.paths(node)[index]!r}: a {tensor.layout} tensor cannot go to a memory "
+                    "checkpoint; save it with --checkpoint-dir alone"
+                )
+        entries, data_len = _layout(tensors)
+        extra = b""
+        if others:
+            buffer = io.BytesIO()
+            torch.save(others, buffer)
+            extra = buffer.getvalue()
+        header = slot.Header(format, time.time(), node, entries, len(extra)).encode(extra)
+        self._make_way()
+        mapped, generation = self._take(slot.data_start(len(header)) + data_len)
+        record = slot.Record(
+            slot.WRITING, rank, world_size, generation, step, len(header), data_len
+        )
+
+        def commit(copy: Copy) -> None:
+            mapped.write(0, slot.Record(slot.COMMITTED, *_fields(record)).pack(header))
+            seconds = time.perf_counter() - copy.began
+            blocked = copy.blocked if copy.asynchronous else seconds
+            self._saved(Saved(step, record.size, blocked, seconds, copy.asynchronous))
+
+        copy = Copy(f"checkpoint of step {step}", commit, lambda copy: mapped.unlock(), began)
+        copy.payload = mapped
+        try:
+            mapped.write(0, record.pack(header))  # the copy this slot held is gone from here
+            mapped.write(slot.PAGE, header)
+            if any(t.is_cuda for t in tensors):
+                mapped.pin()
+        except BaseException:
+            mapped.unlock()
+            raise
+        start = record.data_start
+        paths = tree.paths(node)
+        pairs = [
+            (mapped.view(start, entry), tensor, path)
+            for entry, tensor, path in zip(entries, tensors, paths, strict=True)
+        ]
+        self._copier.start(copy, pairs, asynchronous)
+
+    def wait(self) -> None:
+        """Until every save begun has been committed (or failed: its error is raised)."""
+        while (copy := self._copier.next_done()) is not None:
+            if copy.error is not None and not self._superseded(copy):
+                raise CheckpointError(f"the asynchronous save failed: {copy.error}")
+
+    def before_change(self) -> None:
+        """What an optimizer's step does first (``copying.Copier.before_change``)."""
+        self._copier.before_change()
+
+    def _superseded(self, copy: Copy) -> bool:
+        """Whether a copy newer than the failed ``copy`` is committed: nothing is lost."""
+        step = int(copy.label.rsplit(" ", 1)[-1])
+        return max((c.step for c in slot.committed(self.root)), default=-1) > step
+
+    def _make_way(self) -> None:
+        """Forget the saves already committed; wait for the oldest while ``IN_FLIGHT`` are
+        being copied."""
+        self._copier.forget_done()
+        flying = self._copier.in_flight()
+        if len(flying) >= IN_FLIGHT:
+            flying[0].done.wait()
+
+    # --- slots ----------------------------------------------------------------------------
+
+    def _take(self, size: int) -> tuple[_Mapped, int]:
+        """A slot of at least ``size`` bytes, locked for writing, and the generation its
+        copy gets: neither one of the ``keep`` newest copies, nor one being copied, nor one
+        a reader holds. A new slot file when there is none such and the budget has room;
+        else the save waits for a copy in flight, or for a reader to let go of its slot
+        (said once). ``CheckpointError`` when not even that would make room."""
+        while True:
+            flying = self._copier.in_flight()
+            busy = {copy.payload.path for copy in flying}
+            for path in slot.slots(self.folder):
+                if path not in self._mapped:
+                    self._mapped[path] = _Mapped(path)
+            records = {path: mapped.record() for path, mapped in self._mapped.items()}
+            generation = 1 + max((r.generation for r in records.values() if r), default=0)
+            newest = sorted(
+                (p for p, r in records.items() if r and r.state == slot.COMMITTED),
+                key=lambda p: records[p].generation,  # type: ignore[union-attr]
+                reverse=True,
+            )[: self.keep]
+            free = [p for p in records if p not in newest and p not in busy]
+            # Large enough first; of those, an unfinished one, else the oldest copy.
+            free.sort(key=lambda p: (self._mapped[p].size < size, _age(records[p])))
+            held = []
+            for path in free:
+                mapped = self._mapped[path]
+                if not mapped.lock():
+                    held.append(mapped)
+                elif self._fits(mapped, size):
+                    return mapped, generation
+                else:
+                    mapped.unlock()
+            with self._budget():
+                if self._room(_rounded(size), 0):
+                    return self._new_slot(size), generation
+            if flying:
+                flying[0].done.wait()
+            elif held:
+                self._wait_for_reader(held[0])
+            else:
+                with self._budget():
+                    raise CheckpointError(self._room_error(_rounded(size), 0))
+
+    def _fits(self, mapped: _Mapped, size: int) -> bool:
+        """Grow ``mapped`` to ``size`` if it is smaller and the budget has room; whether it
+        holds ``size`` bytes now."""
+        if mapped.size >= size:
+            return True
+        with self._budget():
+            if not self._room(_rounded(size), mapped.size):
+                return False
+            mapped.grow(_rounded(size))
+        return True
+
+    def _wait_for_reader(self, mapped: _Mapped) -> None:
+        if not self._said_waiting:
+            self._said_waiting = True
+            logger.warning(
+                "a memory checkpoint save waits for the agent to finish copying the slot it "
+                "needs: give --checkpoint-memory room for %d copies per worker that saves",
+                self.keep + 2,
+            )
+        fcntl.flock(mapped.fd, fcntl.LOCK_EX)  # until the reader lets go
+        mapped.unlock()
+
+    def _new_slot(self, size: int) -> _Mapped:
+        """A new slot file of ``size`` bytes, locked (called with the budget held)."""
+        index = 0
+        while (self.folder / f"{slot.PREFIX}{index}").exists():
+            index += 1
+        path = self.folder / f"{slot.PREFIX}{index}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, _rounded(size))
+        finally:
+            os.close(fd)
+        mapped = self._mapped[path] = _Mapped(path)
+        mapped.lock()
+        return mapped
+
+    @contextlib.contextmanager
+    def _budget(self) -> Iterator[None]:
+        """Held while a slot is made or grown: the node's arenas share one budget."""
+        with open(self.root / _LOCK, "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            yield
+
+    def _used(self) -> int:
+        return sum(
+            path.stat().st_size
+            for folder in self.root.iterdir()
+            if folder.is_dir()
+            for path in slot.slots(folder)
+        )
+
+    def _room(self, size: int, current: int) -> bool:
+        """Whether a slot of ``current`` bytes may become ``size`` bytes (budget held)."""
+        return self.budget is None or self._used() - current + size <= self.budget
+
+    def _room_error(self, size: int, current: int) -> str:
+        from rallypoint.checkpoint.tier import size_text
+
+        budget = self.budget or 0
+        taken = self._used() - current
+        return (
+            f"a memory checkpoint of {size_text(size)} does not fit in the node memory "
+            f"given to checkpoints (--checkpoint-memory {size_text(budget)}, "
+            f"{size_text(taken)} taken by the node's slots): give it at least "
+            f"{self.keep + 2} times the size of one checkpoint per worker that saves"
+        )
+
+    def close(self) -> None:
+        """Unmap and unpin every slot (the files stay: the agent's)."""
+        with contextlib.suppress(CheckpointError):
+            self.wait()
+        for mapped in self._mapped.values():
+            mapped.close()
+        self._mapped.clear()
+
+
+def _fields(record: slot.Record) -> tuple[int, ...]:
+    return (
+        record.rank, record.world_size, record.generation, record.step,
+        record.header_len, record.data_len,
+    )  # fmt: skip
+
+
+def _age(record: slot.Record | None) -> tuple[int, int]:
+    if record is None or record.state != slot.COMMITTED:
+        return (0, 0)
+    return (1, record.generation)
+
+
+def _rounded(size: int) -> int:
+    return -(-size // _GROW) * _GROW
+
+
+def _layout(tensors: list[Any]) -> tuple[tuple[slot.Tensor, ...], int]:
+    """Each tensor's place in the data, ``ALIGN``-aligned; the data's length."""
+    entries = []
+    offset = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        entries.append(slot.Tensor(dtype, tuple(tensor.shape), offset, nbytes, str(tensor.device)))
+        offset += -(-nbytes // slot.ALIGN) * slot.ALIGN
+    return tuple(entries), offset
+
+
+# --- loading ----------------------------------------------------------------------------------
+
+
+def load_copy(copy: slot.Copy, *, map_location: Any = "cpu", weights_only: bool = True) -> Any:
+    """The state of a committed ``copy``, held against a rewrite while it is read
+    (``slot.Busy`` if it was written over first); see ``load_file``."""
+    with slot.lease(copy) as handle:
+        return load_file(handle.fileno(), copy.record, copy.path, map_location, weights_only)
+
+
+def load_file(
+    fd: int, record: slot.Record, path: Path, map_location: Any = "cpu", weights_only: bool = True
+) -> Any:
+    """The state of the copy in the file ``fd`` (a slot, or a copy an agent sent), with its
+    tensors where ``map_location`` says: ``None`` (where they were saved), a device, or a
+    dict from the saved device to another. A tensor for the CPU is read straight into
+    memory of its own (``preadv``: one copy, by the kernel); for a GPU, the file is mapped,
+    pinned, and copied to the device by DMA. Nothing returned refers to the file."""
+    import torch
+
+    header, other_bytes = slot.Header.decode(os.pread(fd, record.header_len, slot.PAGE))
+    if os.fstat(fd).st_size < record.size:
+        raise Damaged(f"{os.fstat(fd).st_size} bytes where the record says {record.size}")
+    devices = [_target(entry.device, map_location) for entry in header.tensors]
+    mapped = None
+    if any(device.type == "cuda" for device in devices):
+        mapped = _Pinned(path, record.size)
+    try:
+        tensors = []
+        for entry, device in zip(header.tensors, devices, strict=True):
+            offset = record.data_start + entry.offset
+            if mapped is not None and device.type == "cuda":
+                source = mapped.view(offset, entry)
+                tensors.append(source.to(device, non_blocking=True))
+                continue
+            tensor = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
+            if entry.nbytes:
+                _read_into(fd, tensor, offset)
+            tensors.append(tensor if device.type == "cpu" else tensor.to(device))
+        if mapped is not None:  # the DMA from the mapping is done before it goes
+            torch.cuda.synchronize()
+    finally:
+        if mapped is not None:
+            mapped.close()
+    others: list[Any] = []
+    if other_bytes:
+        others = torch.load(io.BytesIO(other_bytes), weights_only=weights_only)
+    return tree.decode(header.tree, tensors, others)
+
+
+def _read_into(fd: int, tensor: Any, offset: int) -> None:
+    view = memoryview(tensor.view(-1).view(__import__("torch").uint8).numpy())
+    while len(view):
+        count = os.preadv(fd, [view], offset)
+        if count <= 0:
+            raise Damaged("a copy shorter than its header says")
+        view, offset = view[count:], offset + count
+
+
+class _Pinned:
+    """A copy's file mapped and pinned for the GPU's copy engine, for a load."""
+
+    def __init__(self, path: Path, size: int) -> None:
+        import torch
+
+        fd = os.open(path, os.O_RDWR)  # writable only so that CUDA can pin it; never written
+        try:
+            self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED | _POPULATE)
+        finally:
+            os.close(fd)
+        self.data = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.pinned = int(cuda().cudart().cudaHostRegister(self.data.data_ptr(), size, 0)) == 0
+
+    def view(self, offset: int, entry: slot.Tensor) -> Any:
+        import torch
+
+        flat = self.data[offset : offset + entry.nbytes]
+        return flat.view(getattr(torch, entry.dtype)).view(entry.shape)
+
+    def close(self) -> None:
+        if self.pinned:
+            cuda().cudart().cudaHostUnregister(self.data.data_ptr())
+        del self.data
+        with contextlib.suppress(BufferError):  # a view still held: closed when freed
+            self.mm.close()
+
+
+def _target(saved: str, map_location: Any) -> Any:
+    import torch
+
+    if map_location is None:
+        return torch.device(saved)
+    if isinstance(map_location, dict):
+        return torch.device(map_location.get(saved, saved))
+    if callable(map_location):
+        raise CheckpointError("map_location as a function: give a device or a dict")
+    return torch.device(map_location)
