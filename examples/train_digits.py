@@ -23,6 +23,7 @@ What makes it elastic, in order of appearance below:
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 
@@ -110,6 +111,14 @@ def main() -> None:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
+    train(args, device)
+    # The DDP model holds the process group. Collected after the group is destroyed, it would
+    # end gloo's threads holding the GIL, which can hang (pytorch/pytorch#56297).
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace, device: torch.device) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     # The restart count is set by rallypoint and torchrun alike; 0 in the first attempt.
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -187,7 +196,6 @@ def main() -> None:
         f"trained {step - loaded_step} steps in {time.monotonic() - began:.1f} s; "
         f"held-out accuracy {100 * accuracy:.1f}% ({len(test_set)} images)"
     )
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
