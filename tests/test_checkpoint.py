@@ -106,14 +106,39 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(
 
 
 def test_an_asynchronous_save_writes_the_state_as_it_was(tmp_path: Path) -> None:
+    """Training goes on at once, and its optimizer's step waits for the copy: the
+    checkpoint holds the tensors as they were when ``save`` was called."""
     checkpointer = Checkpointer(str(tmp_path), rank=0)
-    state = state_of(1)
-    checkpointer.save(state, 7, asynchronous=True)
-    state["w"].add_(100)  # training goes on and changes the tensors
+    weight = torch.nn.Parameter(torch.full((4,), 1.0))
+    optimizer = torch.optim.SGD([weight], lr=100.0)
+    checkpointer.save({"w": weight.detach()}, 7, asynchronous=True)
+    weight.sum().backward()
+    optimizer.step()  # changes the tensor in place, once its copy is done
     checkpointer.wait()
     loaded = checkpointer.load_latest()
     assert loaded is not None and loaded.step == 7
     assert torch.equal(loaded.state["w"], torch.full((4,), 1.0))
+    assert torch.equal(weight.detach(), torch.full((4,), -99.0))
+
+
+def test_an_asynchronous_save_whose_tensor_changes_outside_an_optimizer_says_so(
+    tmp_path: Path,
+) -> None:
+    """A change the save cannot see coming (an in-place update outside an optimizer, before
+    the copy is done) makes the save fail with one sentence, not a torn checkpoint."""
+    checkpointer = Checkpointer(str(tmp_path), rank=0)
+    checkpointer.save(state_of(1), 1)
+    state = {"w": torch.zeros(8 << 20)}  # 32 MB: its copy takes a while
+    checkpointer.save(state, 2, asynchronous=True)
+    state["w"].add_(1)
+    try:
+        checkpointer.wait()
+    except CheckpointError as error:  # the change came before the copy was done
+        assert "'w' changed while it was copied" in str(error)
+        assert checkpointer.steps() == [1]
+    else:  # the copy was done first: then it holds the tensor as it was
+        loaded = checkpointer.load_latest()
+        assert loaded is not None and loaded.step == 2 and float(loaded.state["w"].max()) == 0.0
 
 
 def test_no_location_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:

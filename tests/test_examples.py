@@ -1,6 +1,7 @@
 """The examples run as documented: examples/train_digits.py survives a crash, resumes from its
 checkpoint and learns the digits; examples/elastic_demo.py (``make demo``) grows from one
-node to two and goes on after one dies."""
+node to two and goes on after one dies; examples/dcp_train.py (FSDP2 with DCP into the
+memory tier) resumes from memory as if it never failed, and reshards at another size."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from launch import clean_environment, events, rallypoint, wait_gone
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN_DIGITS = str(ROOT / "examples" / "train_digits.py")
 ELASTIC_DEMO = str(ROOT / "examples" / "elastic_demo.py")
+DCP_TRAIN = str(ROOT / "examples" / "dcp_train.py")
 
 
 def require_scikit_learn() -> None:
@@ -126,3 +128,36 @@ def assert_shown_in_order(shown: list[str], output: str) -> None:
                 break
         else:
             raise AssertionError(f"the README's demo line is not in the output: {line}\n{output}")
+
+
+def test_the_dcp_example_resumes_from_memory_as_if_it_never_failed(tmp_path: Path) -> None:
+    """FSDP2 + AdamW saving with ``dcp.save(storage_writer=RallypointWriter(step))`` every
+    step: rank 1 fails at step 30, both ranks load step 29 from node memory with
+    ``RallypointReader``, and every later loss is the one of a run that did not fail. Then
+    3 ranks reshard the end's checkpoint from --checkpoint-dir and go on."""
+
+    def run(ckpt: Path, nproc: int, *args: str) -> str:
+        done = rallypoint(
+            "run", "--nproc-per-node", str(nproc), "--max-restarts", "1",
+            "--checkpoint-memory", "64MB", "--checkpoint-dir", str(ckpt), DCP_TRAIN, *args,
+            timeout=240,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    def losses(out: str) -> list[tuple[int, int, str]]:
+        """(rank, step, loss) of each logged step (every 10th), in order."""
+        found = re.findall(r"\[default(\d)\]:step (\d+) loss (\S+)", out)
+        return sorted((int(rank), int(step), loss) for rank, step, loss in found)
+
+    failed = run(tmp_path / "a", 2, "--crash-at", "30")
+    assert (
+        sorted(re.findall(r"resumed from step (\d+) \((\w+)\)", failed)) == [("29", "memory")] * 2
+    ), failed
+    clean = run(tmp_path / "b", 2)
+    assert losses(failed) == losses(clean) and len(losses(clean)) == 12, failed
+    resharded = run(tmp_path / "a", 3, "--steps", "70")
+    assert re.findall(r"resumed from step (\d+) \((\w+)\)", resharded) == [("59", "durable")] * 3, (
+        resharded
+    )
+    assert len(re.findall(r"step 60 loss", resharded)) == 3

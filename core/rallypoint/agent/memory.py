@@ -13,33 +13,36 @@ train on, the agent, holding the copy against a rewrite while it reads it,
   signal, the job's end, a failure for good), to ``--checkpoint-dir``: the copies its own
   workers saved, never a peer's (that is the saving node's to copy).
 
-Each round, every agent offers the others its server's address and the steps it holds
+Each round, every agent offers the others its server's address and the copies it holds
 (``NodeRecord.offer``); the round record carries every offer, so every agent computes the
-same step for the round to resume from (the newest any member holds), fetches it from a
-member if it holds no copy, and tells its workers (``RALLYPOINT_CHECKPOINT_STEP``). The
-directory goes when the agent ends; if the agent is killed, its keeper removes it.
+same step for the round to resume from (``rallypoint.agent.resume``), fetches the copies
+its workers need and it lacks from a member that holds them, and tells its workers
+(``RALLYPOINT_CHECKPOINT_STEP``). Sharded saves (``save_sharded``) are copied rank by
+rank: each rank's share to the peer and to ``--checkpoint-dir`` (``sharded/rank-R/``).
+The directory goes when the agent ends; if the agent is killed, its keeper removes it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from rallypoint import events
-from rallypoint.agent import peers
+from rallypoint.agent import peers, resume
 from rallypoint.checkpoint import manifest as mf
 from rallypoint.checkpoint import slot
-from rallypoint.checkpoint.checkpointer import PEER_FOLDER, open_storage
+from rallypoint.checkpoint.checkpointer import PEER_FOLDER, open_storage, ranks_tier, shared_ranks
 from rallypoint.checkpoint.copies import Copies
 from rallypoint.checkpoint.storage import FileStorage
-from rallypoint.checkpoint.tier import MEMORY, PEER, Tier, size_text
+from rallypoint.checkpoint.tier import MEMORY, PEER, Held, Tier, size_text
 from rallypoint.config import SHARED_MEMORY, LaunchConfig
 from rallypoint.interfaces import Assignment, CheckpointError
 
@@ -85,9 +88,15 @@ class Latest:
         return self.thread is None or not self.thread.is_alive()
 
 
+#: Which copies a node holds: the whole states saved by rank 0 (``(0, False)``), and each
+#: rank's shares of sharded states (``(rank, True)``).
+Key = tuple[int, bool]
+WHOLE: Key = (0, False)
+
+
 class NodeMemory:
-    """The memory directory, its tiers (this node's copies, a peer's), the server that
-    peers reach, and the threads that copy checkpoints out.
+    """The memory directory, the node's copies in it (its workers' arenas, a peer's), the
+    server that peers reach, and the threads that copy checkpoints out.
 
     ``host``: this node's address in the rendezvous, where the server listens (jobs of
     several nodes only). ``emit(name, **fields)`` announces each durable copy.
@@ -112,15 +121,16 @@ class NodeMemory:
             FileStorage(str(self.path / PEER_FOLDER)), 1, PEER, config.checkpoint_memory
         )
         self._emit = emit
-        self._saves = 0
-        self.persisted: int | None = None  # the newest step made durable
-        self._persister = Latest(self._persist, "rallypoint-persist")
-        self._sender = Latest(self._send, "rallypoint-peer-send")
+        self._lock = threading.Lock()
+        self._saves: dict[Key, int] = {}
+        self.persisted: dict[Key, int] = {}  # the newest step made durable, by copy
+        self._persisters: dict[Key, Latest] = {}
+        self._senders: dict[Key, Latest] = {}
         self._next: str | None = None  # the server of the node after this one in the round
         self.server: peers.PeerServer | None = None
         if config.max_nodes > 1:
             try:
-                self.server = peers.PeerServer(host, [self.copies, self.peer], self.peer)
+                self.server = peers.PeerServer(host, self._find, self._inbox)
             except OSError as error:
                 shutil.rmtree(self.path, ignore_errors=True)
                 raise CheckpointError(
@@ -128,97 +138,160 @@ class NodeMemory:
                     f"on {host} ({error.strerror or error})"
                 ) from None
 
+    # --- where copies are -----------------------------------------------------------------
+
+    def _inbox(self, rank: int, sharded: bool) -> Tier:
+        """Where a peer's copy goes: ``peer/``, or a rank's shares under it."""
+        return ranks_tier(self.peer, rank) if sharded else self.peer
+
+    def _durable(self, key: Key) -> Tier:
+        assert self.durable is not None
+        rank, sharded = key
+        return ranks_tier(self.durable, rank) if sharded else self.durable
+
+    @contextlib.contextmanager
+    def _find(self, step: int, rank: int, sharded: bool) -> Iterator[Held]:
+        """The copy of ``step`` by ``rank`` this node holds, its own or a peer's, held
+        while the block runs; ``mf.Damaged`` when it holds none."""
+        with contextlib.ExitStack() as stack:
+            for source in (self.copies, self._inbox(rank, sharded)):
+                try:
+                    if source is self.copies:
+                        held = stack.enter_context(self.copies.hold(step, rank, sharded))
+                    else:
+                        held = stack.enter_context(self._inbox(rank, sharded).hold(step))
+                except mf.Damaged:
+                    continue
+                yield held
+                return
+        raise mf.Damaged(f"no copy of step {step} by rank {rank} here")
+
     # --- the round ------------------------------------------------------------------------
 
     def held(self) -> set[int]:
-        """The steps of the complete copies this node holds: its own and a peer's."""
+        """The steps of the whole states this node holds: its own and a peer's."""
         return self.copies.complete_steps() | self.peer.complete_steps()
 
+    def shares(self) -> resume.Shares:
+        """The ranks' shares this node holds, its own and a peer's: by step, each rank's
+        world size."""
+        found = self.copies.shards()
+        for rank in shared_ranks(self.peer):
+            tier = ranks_tier(self.peer, rank)
+            for step in tier.complete_steps():
+                with contextlib.suppress(mf.Damaged):
+                    world = tier.manifest(mf.directory(step)).world_size
+                    found.setdefault(step, {}).setdefault(rank, world)
+        return found
+
     def offer(self) -> dict[str, str]:
-        """What this node tells the round: its server and the steps it holds."""
-        offer = {"steps": " ".join(map(str, sorted(self.held())))}
+        """What this node tells the round: its server and the copies it holds."""
+        offer = resume.encode(self.held(), self.shares())
         if self.server is not None:
             offer["server"] = self.server.address
         return offer
 
     def resume_step(self, assignment: Assignment) -> int | None:
-        """The step every member of this round resumes from: the newest any of them holds
-        in memory (the same on every node: each reads the same round record). If this
-        node holds no copy of it, it is fetched from a member that does first; None when
-        no member holds one (the workers load the newest durable checkpoint)."""
+        """The step every member of this round resumes from (``rallypoint.agent.resume``:
+        the same on every node, from the same round record). Copies this node's workers
+        will need and it does not hold are fetched from a member that does first; None when
+        no member holds a usable one (the workers load from durable storage)."""
         info = assignment.info
         offers = assignment.offers or ({},) * info.group_world_size
         me = info.group_rank
         following = offers[(me + 1) % len(offers)] if len(offers) > 1 else {}
         self._next = following.get("server")
-        held = {
-            rank: {int(s) for s in offer.get("steps", "").split()}
-            for rank, offer in enumerate(offers)
-        }
-        held[me] = self.held()
-        step = max((s for steps in held.values() for s in steps), default=None)
-        if step is None or step in held[me]:
-            return step
-        for rank, steps in held.items():
-            server = offers[rank].get("server")
-            if step not in steps or not server:
+        held = [resume.decode(offer) for offer in offers]
+        held[me] = (self.held(), self.shares())
+        first = assignment.rank_offset
+        mine = range(first, first + assignment.local_world_sizes[me])
+        decision = resume.decide(held, me, info.world_size, mine)
+        for (rank, sharded), members in decision.fetch.items():
+            assert decision.step is not None
+            self._fetch(decision.step, rank, sharded, members, assignment)
+        return decision.step
+
+    def _fetch(
+        self, step: int, rank: int, sharded: bool, members: list[int], assignment: Assignment
+    ) -> None:
+        what = (
+            f"rank {rank}'s share of checkpoint {step}" if sharded else f"checkpoint of step {step}"
+        )
+        for member in members:
+            server = (assignment.offers[member] if assignment.offers else {}).get("server")
+            if not server:
                 continue
             began = time.perf_counter()
             try:
-                size = peers.get(server, step, self.peer)
+                size = peers.get(server, step, self._inbox(rank, sharded), rank, sharded)
             except (OSError, ValueError, CheckpointError, mf.Damaged) as error:
-                logger.warning("checkpoint of step %d not fetched from %s: %s", step, server, error)
+                logger.warning("%s not fetched from %s: %s", what, server, error)
                 continue
+            members_ids = assignment.info.members
             logger.info(
-                "fetched checkpoint of step %d from node %s (%s in %.2f s)",
-                step,
-                info.members[rank] if rank < len(info.members) else server,
+                "fetched %s from node %s (%s in %.2f s)",
+                what,
+                members_ids[member] if member < len(members_ids) else server,
                 size_text(size),
                 time.perf_counter() - began,
             )
-            return step
+            return
         logger.warning(
-            "no member could send checkpoint of step %d: this node's workers load the newest "
-            "copy they find",
-            step,
+            "no member could send %s: this node's workers load the newest copy they find", what
         )
-        return step
 
     # --- a worker saved -------------------------------------------------------------------
 
     def saved(self, data: dict[str, Any]) -> None:
         """A worker's ``checkpoint_saved`` event: a memory save is sent to the next node,
-        and every K-th made durable."""
+        and every K-th made durable (a whole state's, and each rank's share apart)."""
         if data.get("tier") != MEMORY:
             return
         step = int(data["step"])
-        if self._next is not None:
-            self._sender.ask(step)
-        if self.durable is not None:
-            self._saves += 1
-            if self._saves % self.config.checkpoint_persist_every == 0:
-                self._persister.ask(step)
+        sharded = data.get("format") == "sharded"
+        key = (int(data.get("rank") or 0), sharded) if sharded else WHOLE
+        with self._lock:
+            if self._next is not None:
+                self._worker(self._senders, key, self._send, "peer-send").ask(step)
+            if self.durable is not None:
+                self._saves[key] = self._saves.get(key, 0) + 1
+                if self._saves[key] % self.config.checkpoint_persist_every == 0:
+                    self._worker(self._persisters, key, self._persist, "persist").ask(step)
 
-    def _send(self, step: int) -> None:
+    def _worker(
+        self, workers: dict[Key, Latest], key: Key, work: Callable[[Key, int], None], name: str
+    ) -> Latest:
+        if key not in workers:
+            workers[key] = Latest(
+                lambda step: work(key, step), f"rallypoint-{name}-{key[0]}{'s' if key[1] else ''}"
+            )
+        return workers[key]
+
+    def _send(self, key: Key, step: int) -> None:
         server = self._next
         if server is None:
             return
+        rank, sharded = key
         try:
-            with self.copies.hold(step) as held:
-                peers.put(server, held)
+            with self.copies.hold(step, rank, sharded, or_newer=True) as held:
+                peers.put(server, held, rank, sharded)
         except (OSError, ValueError, CheckpointError, mf.Damaged) as error:
             logger.warning("checkpoint of step %d not sent to %s: %s", step, server, error)
 
-    def _persist(self, step: int) -> None:
-        assert self.durable is not None
-        if self.persisted is not None and step <= self.persisted:
+    def _persist(self, key: Key, step: int) -> None:
+        done = self.persisted.get(key)
+        if done is not None and step <= done:
             return
+        rank, sharded = key
+        durable = self._durable(key)
         began = time.perf_counter()
         try:
-            with self.copies.hold(step) as held:
-                copied = self.durable.receive(held.manifest, held.open)
+            # Written over already (saves come faster than this copy): a newer one goes.
+            with self.copies.hold(step, rank, sharded, or_newer=True) as held:
+                step = held.manifest.step
+                copied = durable.receive(held.manifest, held.open)
         except (CheckpointError, mf.Damaged, OSError) as error:
-            kept = f"; it keeps step {self.persisted}" if self.persisted is not None else ""
+            kept = f"; it keeps step {done}" if done is not None else ""
             logger.warning(
                 "checkpoint of step %d not copied to %s: %s; training goes on%s",
                 step,
@@ -227,20 +300,22 @@ class NodeMemory:
                 kept,
             )
             return
-        self.persisted = step
+        self.persisted[key] = step
+        extra = {"rank": rank} if sharded else {}
         self._emit(
             events.CHECKPOINT_PERSISTED,
             step=step,
             seconds=time.perf_counter() - began,
             bytes=copied,
-            url=self.durable.url,
+            url=durable.url,
+            **extra,
         )
 
     # --- stopping -------------------------------------------------------------------------
 
     def close(self, why: str) -> None:
-        """The agent stops (``why``): make the newest memory checkpoint durable if it is
-        not yet (bounded by ``--shutdown-timeout``), then remove the directory."""
+        """The agent stops (``why``): make the newest memory checkpoints durable if they
+        are not yet (bounded by ``--shutdown-timeout``), then remove the directory."""
         try:
             if self.server is not None:
                 self.server.close()
@@ -252,16 +327,27 @@ class NodeMemory:
     def _persist_newest(self, why: str) -> None:
         # This node's own copies only: a peer's copy is the saving node's to make durable
         # (two agents writing one step into one directory would undo each other's files).
-        newest = max(self.copies.complete_steps(), default=None)
-        if newest is not None and (self.persisted is None or newest > self.persisted):
-            logger.info(
-                "%s: copying checkpoint of step %d to %s", why, newest, self.config.checkpoint_dir
-            )
-            self._persister.ask(newest)
-        if not self._persister.join(self.config.shutdown_timeout):
-            logger.warning(
-                "the copy of checkpoint %s to %s did not finish within %g s (--shutdown-timeout)",
-                newest,
-                self.config.checkpoint_dir,
-                self.config.shutdown_timeout,
-            )
+        newest: dict[Key, int] = {}
+        for copy in slot.committed(self.copies.root):
+            key = (copy.record.rank, True) if copy.record.sharded else WHOLE
+            if copy.record.sharded or copy.record.rank == 0:
+                newest[key] = max(newest.get(key, copy.step), copy.step)
+        for key, step in sorted(newest.items()):
+            done = self.persisted.get(key)
+            if done is None or step > done:
+                logger.info(
+                    "%s: copying checkpoint of step %d%s to %s", why, step,
+                    f" (rank {key[0]}'s share)" if key[1] else "", self.config.checkpoint_dir,
+                )  # fmt: skip
+                with self._lock:
+                    self._worker(self._persisters, key, self._persist, "persist").ask(step)
+        deadline = time.monotonic() + self.config.shutdown_timeout
+        for persister in list(self._persisters.values()):
+            if not persister.join(max(0.0, deadline - time.monotonic())):
+                logger.warning(
+                    "the copies of memory checkpoints to %s did not finish within %g s "
+                    "(--shutdown-timeout)",
+                    self.config.checkpoint_dir,
+                    self.config.shutdown_timeout,
+                )
+                return

@@ -5,7 +5,8 @@ One TCP connection per request. A request is a 4-byte big-endian length and a JS
 object; ``put`` is followed by the checkpoint's files, in its manifest's order, and
 answered ``{"ok": true}`` once they are written and checked; ``get`` (a step) is answered
 ``{"ok": true, "manifest": ...}`` and the files, or ``{"ok": false, "reason": ...}``. The
-receiving side checks every file against the manifest before it keeps the copy.
+receiving side checks every file against the manifest before it keeps the copy. Both
+name the copy: a whole state (rank 0's), or with ``sharded`` a rank's share of one.
 
 Like torch's TCPStore, the port is open to whoever can reach the node: it listens on the
 address the node gives the rendezvous, on a network the job's nodes share.
@@ -20,9 +21,9 @@ import socket
 import socketserver
 import struct
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from typing import Any, BinaryIO, Protocol
+from typing import Any, BinaryIO
 
 from rallypoint.checkpoint import manifest as mf
 from rallypoint.checkpoint.tier import Held, Tier
@@ -54,12 +55,6 @@ def _receive(stream: BinaryIO) -> dict[str, Any]:
     return message
 
 
-class Source(Protocol):
-    """Where the checkpoints a server serves are: a ``Tier``, the node's ``Copies``."""
-
-    def hold(self, step: int) -> AbstractContextManager[Held]: ...
-
-
 def _send_files(stream: BinaryIO, held: Held) -> None:
     for file_name in held.manifest.files:
         with held.open(file_name) as reader:
@@ -67,12 +62,17 @@ def _send_files(stream: BinaryIO, held: Held) -> None:
                 stream.write(chunk)
 
 
-class PeerServer:
-    """Serves ``sources`` (the node's own memory copies and the peer copy it holds) and
-    keeps what peers send in ``inbox``. Listens on ``host``, a free port."""
+#: Finds the copy of ``(step, rank, sharded)`` a node holds, held while in use.
+Find = Callable[[int, int, bool], AbstractContextManager[Held]]
 
-    def __init__(self, host: str, sources: Sequence[Source], inbox: Tier) -> None:
-        self.sources = list(sources)
+
+class PeerServer:
+    """Serves the copies ``find`` finds (the node's own memory copies and the peers' it
+    holds), and keeps what peers send in ``inbox(rank, sharded)``. Listens on ``host``, a
+    free port."""
+
+    def __init__(self, host: str, find: Find, inbox: Callable[[int, bool], Tier]) -> None:
+        self.find = find
         self.inbox = inbox
         self._lock = threading.Lock()  # one copy written into the inbox at a time
         owner = self
@@ -104,22 +104,24 @@ class PeerServer:
 
     def _serve(self, reader: BinaryIO, writer: BinaryIO) -> None:
         request = _receive(reader)
+        rank, sharded = int(request.get("rank", 0)), bool(request.get("sharded", False))
         if request.get("op") == "put":
             manifest = mf.Manifest.decode(str(request["manifest"]).encode())
             try:
                 with self._lock:
-                    self.inbox.receive(manifest, lambda _file: contextlib.nullcontext(reader))
+                    self.inbox(rank, sharded).receive(
+                        manifest, lambda _file: contextlib.nullcontext(reader)
+                    )
             except Exception as error:  # a damaged or cut copy: the one before stays
                 _send(writer, {"ok": False, "reason": str(error)})
                 return
             _send(writer, {"ok": True})
         elif request.get("op") == "get":
             step = int(request["step"])
-            for source in self.sources:
-                with contextlib.suppress(mf.Damaged), source.hold(step) as held:
-                    _send(writer, {"ok": True, "manifest": held.manifest.encode().decode()})
-                    _send_files(writer, held)
-                    return
+            with contextlib.suppress(mf.Damaged), self.find(step, rank, sharded) as held:
+                _send(writer, {"ok": True, "manifest": held.manifest.encode().decode()})
+                _send_files(writer, held)
+                return
             _send(writer, {"ok": False, "reason": f"no complete copy of step {step} here"})
         writer.flush()
 
@@ -135,10 +137,12 @@ def _connect(address: str) -> Iterator[tuple[BinaryIO, BinaryIO]]:
         yield reader, writer
 
 
-def put(address: str, held: Held) -> None:
-    """Send the checkpoint ``held`` to the agent at ``address``."""
+def put(address: str, held: Held, rank: int = 0, sharded: bool = False) -> None:
+    """Send the checkpoint ``held`` (``rank``'s share with ``sharded``) to the agent at
+    ``address``."""
     with _connect(address) as (reader, writer):
-        _send(writer, {"op": "put", "manifest": held.manifest.encode().decode()})
+        manifest = held.manifest.encode().decode()
+        _send(writer, {"op": "put", "manifest": manifest, "rank": rank, "sharded": sharded})
         _send_files(writer, held)
         writer.flush()
         answer = _receive(reader)
@@ -146,11 +150,11 @@ def put(address: str, held: Held) -> None:
         raise ConnectionError(str(answer.get("reason")))
 
 
-def get(address: str, step: int, into: Tier) -> int:
-    """Fetch the checkpoint of ``step`` from the agent at ``address`` into ``into``; the
-    bytes fetched."""
+def get(address: str, step: int, into: Tier, rank: int = 0, sharded: bool = False) -> int:
+    """Fetch the checkpoint of ``step`` (``rank``'s share with ``sharded``) from the agent
+    at ``address`` into ``into``; the bytes fetched."""
     with _connect(address) as (reader, writer):
-        _send(writer, {"op": "get", "step": step})
+        _send(writer, {"op": "get", "step": step, "rank": rank, "sharded": sharded})
         writer.flush()
         answer = _receive(reader)
         if not answer.get("ok"):

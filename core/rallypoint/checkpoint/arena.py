@@ -25,7 +25,7 @@ import logging
 import mmap
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,7 @@ class Saved:
     blocked: float
     seconds: float
     asynchronous: bool
+    format: str = "state"  # slot.FORMATS
 
 
 class _Mapped:
@@ -184,39 +185,37 @@ class Arena:
         world_size: int,
         format: str = "state",
         asynchronous: bool = False,
+        placed: Mapping[int, tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
     ) -> None:
         """Copy ``state`` into a slot as the copy of ``step``; see the module for when it
-        returns. ``CheckpointError`` when it does not fit in the budget."""
-        import torch
-
+        returns. ``CheckpointError`` when it does not fit in the budget. ``placed``: for a
+        tensor that is a part of a larger one (by ``id``), the whole one's shape and the
+        part's offset in it (as a ``DTensor`` says of itself)."""
         began = time.perf_counter()
-        node, tensors, others = tree.encode(state)
-        for index, tensor in enumerate(tensors):
-            if tensor.layout != torch.strided or tensor.is_quantized:
-                raise CheckpointError(
-                    f"{tree.paths(node)[index]!r}: a {tensor.layout} tensor cannot go to a memory "
-                    "checkpoint; save it with --checkpoint-dir alone"
-                )
-        entries, data_len = _layout(tensors)
-        extra = b""
-        if others:
-            buffer = io.BytesIO()
-            torch.save(others, buffer)
-            extra = buffer.getvalue()
-        header = slot.Header(format, time.time(), node, entries, len(extra)).encode(extra)
+        node, tensors, entries, data_len, header = _encode(state, format, placed or {})
         self._make_way()
         mapped, generation = self._take(slot.data_start(len(header)) + data_len)
         record = slot.Record(
-            slot.WRITING, rank, world_size, generation, step, len(header), data_len
-        )
+            slot.WRITING, rank, world_size, generation, step, len(header), data_len,
+            slot.FORMATS.index(format),
+        )  # fmt: skip
+
+        unlocked = False
+
+        def release(copy: Copy) -> None:
+            nonlocal unlocked
+            if not unlocked:
+                unlocked = True
+                mapped.unlock()
 
         def commit(copy: Copy) -> None:
-            mapped.write(0, slot.Record(slot.COMMITTED, *_fields(record)).pack(header))
+            mapped.write(0, record.committed().pack(header))
+            release(copy)  # before the agent hears of the copy, so that it can read it
             seconds = time.perf_counter() - copy.began
             blocked = copy.blocked if copy.asynchronous else seconds
-            self._saved(Saved(step, record.size, blocked, seconds, copy.asynchronous))
+            self._saved(Saved(step, record.size, blocked, seconds, copy.asynchronous, format))
 
-        copy = Copy(f"checkpoint of step {step}", commit, lambda copy: mapped.unlock(), began)
+        copy = Copy(f"checkpoint of step {step}", commit, release, began)
         copy.payload = mapped
         try:
             mapped.write(0, record.pack(header))  # the copy this slot held is gone from here
@@ -378,13 +377,6 @@ class Arena:
         self._mapped.clear()
 
 
-def _fields(record: slot.Record) -> tuple[int, ...]:
-    return (
-        record.rank, record.world_size, record.generation, record.step,
-        record.header_len, record.data_len,
-    )  # fmt: skip
-
-
 def _age(record: slot.Record | None) -> tuple[int, int]:
     if record is None or record.state != slot.COMMITTED:
         return (0, 0)
@@ -395,14 +387,76 @@ def _rounded(size: int) -> int:
     return -(-size // _GROW) * _GROW
 
 
+def _encode(
+    state: Any, format: str, placed: Mapping[int, tuple[tuple[int, ...], tuple[int, ...]]]
+) -> tuple[tree.Node, list[Any], tuple[slot.Tensor, ...], int, bytes]:
+    """What a save writes of ``state`` apart from the tensors' bytes: its tree, the tensors
+    to copy (a ``DTensor``'s local part), their entries, the length of their data, and the
+    slot's header."""
+    import torch
+
+    node, leaves, others = tree.encode(state)
+    local = _local(leaves, placed)
+    tensors = [tensor for tensor, _, _ in local]
+    for index, tensor in enumerate(tensors):
+        if tensor.layout != torch.strided or tensor.is_quantized:
+            raise CheckpointError(
+                f"{tree.paths(node)[index]!r}: a {tensor.layout} tensor cannot go to a memory "
+                "checkpoint; save it with --checkpoint-dir alone"
+            )
+    entries, data_len = _layout(local)
+    extra = b""
+    if others:
+        buffer = io.BytesIO()
+        torch.save(others, buffer)
+        extra = buffer.getvalue()
+    header = slot.Header(format, time.time(), node, entries, len(extra)).encode(extra)
+    return node, tensors, entries, data_len, header
+
+
+def _local(
+    tensors: list[Any], placed: Mapping[int, tuple[tuple[int, ...], tuple[int, ...]]]
+) -> list[tuple[Any, tuple[int, ...] | None, tuple[int, ...] | None]]:
+    """Each tensor as it is saved: a ``DTensor``'s local part, with the whole tensor's
+    shape and the part's offset in it (as ``torch.distributed.checkpoint`` records them);
+    a tensor in ``placed`` with its place; any other tensor as it is."""
+    sharded: Any = ()  # no DTensor in a torch built without distributed
+    with contextlib.suppress(ImportError):
+        from torch.distributed.tensor import DTensor
+
+        sharded = DTensor
+    found: list[tuple[Any, tuple[int, ...] | None, tuple[int, ...] | None]] = []
+    for tensor in tensors:
+        if id(tensor) in placed:
+            found.append((tensor, *placed[id(tensor)]))
+        elif isinstance(tensor, sharded):
+            chunks: Any = tensor.__create_chunk_list__  # what DCP records of a shard
+            (chunk,) = chunks()
+            found.append((tensor.to_local(), tuple(tensor.shape), tuple(chunk.offsets)))
+        else:
+            found.append((tensor, None, None))
+    return found
+
+
 def _layout(tensors: list[Any]) -> tuple[tuple[slot.Tensor, ...], int]:
-    """Each tensor's place in the data, ``ALIGN``-aligned; the data's length."""
+    """Each tensor's place in the data, ``ALIGN``-aligned; the data's length. ``tensors``:
+    ``_local``'s."""
     entries = []
     offset = 0
-    for tensor in tensors:
+    for tensor, global_shape, global_offset in tensors:
         nbytes = tensor.numel() * tensor.element_size()
         dtype = str(tensor.dtype).removeprefix("torch.")
-        entries.append(slot.Tensor(dtype, tuple(tensor.shape), offset, nbytes, str(tensor.device)))
+        entries.append(
+            slot.Tensor(
+                dtype,
+                tuple(tensor.shape),
+                offset,
+                nbytes,
+                str(tensor.device),
+                global_shape,
+                global_offset,
+            )
+        )
         offset += -(-nbytes // slot.ALIGN) * slot.ALIGN
     return tuple(entries), offset
 

@@ -9,6 +9,7 @@ import logging
 import mmap
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,9 +17,9 @@ from typing import Any
 
 from rallypoint.checkpoint import arena, slot
 from rallypoint.checkpoint import manifest as mf
-from rallypoint.checkpoint.copies import FILE, FORMAT, Copies
+from rallypoint.checkpoint.copies import FILE, FORMAT, SHARDED, Copies
 from rallypoint.checkpoint.copying import Staging
-from rallypoint.checkpoint.storage import FileStorage
+from rallypoint.checkpoint.storage import FileStorage, Prefixed
 from rallypoint.checkpoint.tier import BEGUN, DURABLE, MEMORY, PEER, Tier
 from rallypoint.interfaces import CheckpointError, CheckpointStorage
 from rallypoint.worker import channel as worker_channel
@@ -63,6 +64,12 @@ def open_storage(url: str) -> CheckpointStorage:
     if store.open is None:
         raise CheckpointError(f"checkpoint backend {store.name!r} cannot open {url!r}")
     return store.open(url)
+
+
+#: What a sharded candidate's ``open(stack)`` returns: a ``StorageReader`` over its files,
+#: the world size that saved it, its size in bytes.
+Opened = tuple[Any, int, int]
+Opener = Callable[[contextlib.ExitStack], Opened]
 
 
 @dataclass(frozen=True)
@@ -224,11 +231,20 @@ class Checkpointer:
 
     # --- sharded state (torch.distributed.checkpoint) -------------------------------------
 
-    def save_sharded(self, state: dict[str, Any], step: int) -> None:
-        """Save state sharded across ranks with ``torch.distributed.checkpoint``; every
-        rank calls it, and every rank returns once the checkpoint is complete (manifest
-        written). Needs a file system storage (a path shared by every node) as
-        ``--checkpoint-dir``; sharded saves do not go to node memory."""
+    def save_sharded(self, state: dict[str, Any], step: int, *, asynchronous: bool = False) -> None:
+        """Save state sharded across ranks (FSDP2, DTensor, tensor parallelism); every rank
+        calls it with its own state dict.
+
+        Under ``--checkpoint-memory`` each rank copies its share into its arena, as
+        ``save`` does (a ``DTensor``'s local shard, with its place in the whole tensor), and
+        returns once its own copy is committed (``asynchronous`` as for ``save``); the agent
+        sends it to a peer and copies it to ``--checkpoint-dir``. Without it, every rank
+        writes its shards with ``torch.distributed.checkpoint`` to ``--checkpoint-dir`` (a
+        path every node sees) and returns once the checkpoint is complete (manifest
+        written)."""
+        if self.memory is not None:
+            self.save_shares(state, step, asynchronous=asynchronous)
+            return
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -267,17 +283,131 @@ class Checkpointer:
         )
 
     def load_sharded(self, state: dict[str, Any]) -> Checkpoint | None:
-        """Load the newest valid sharded checkpoint into ``state`` in place (every rank)."""
+        """Load the newest complete sharded checkpoint into ``state`` in place (every rank,
+        each with its own state dict), ``None`` on a fresh start.
+
+        At the world size that saved it, a rank loads its own share: from its node's
+        memory, a peer's copy, or ``--checkpoint-dir``. At another world size the shares of
+        every rank that saved it, from ``--checkpoint-dir``, are resharded by
+        ``torch.distributed.checkpoint`` (``rallypoint.checkpoint.slot_reader``), as are
+        checkpoints that ``save_sharded`` wrote there with DCP itself."""
         from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-        tier = self._sharded_tier()
+        def reading(open_reader: Opener) -> Callable[[], tuple[Any, int, int]]:
+            def load() -> tuple[Any, int, int]:
+                with contextlib.ExitStack() as stack:
+                    reader, world, size = open_reader(stack)
+                    with warnings.catch_warnings():  # no_dist: this rank reads alone
+                        warnings.simplefilter("ignore", UserWarning)
+                        dcp_load(state, storage_reader=reader, no_dist=True)
+                return None, world, size
 
-        def load(name: str, manifest: mf.Manifest) -> tuple[Any, int]:
-            tier.verify_files(name, manifest)
-            dcp_load(state, checkpoint_id=_local_path(tier, f"{name}/{SHARDS}"))
-            return None, sum(entry.size for entry in manifest.files.values())
+            return load
 
-        return self._load_newest(self._tier_candidates(tier, 0, {"dcp": load}))
+        return self._load_newest(self._sharded_candidates(reading))
+
+    def _sharded_candidates(
+        self, reading: Callable[[Opener], Callable[[], tuple[Any, int, int]]]
+    ) -> list[_Candidate]:
+        """Every sharded checkpoint this rank could load, each loaded by ``reading(open)``:
+        ``open(stack)`` checks its files, holds them open in ``stack``, and returns a
+        ``StorageReader`` over them, the world size that saved it and its size."""
+        candidates = []
+        if self.copies is not None:
+            for copy in self.copies.newest(self.rank, self.resume, sharded=True):
+                if copy.record.world_size != self.world_size:
+                    continue
+
+                def open_copy(stack: contextlib.ExitStack, copy: slot.Copy = copy) -> Opened:
+                    try:
+                        stack.enter_context(slot.lease(copy))
+                    except slot.Busy:
+                        raise mf.Damaged("written over while it was read") from None
+                    return _slot_reader([copy.path]), copy.record.world_size, copy.record.size
+
+                where = f"{mf.directory(copy.step)} ({MEMORY})"
+                candidates.append(_Candidate(copy.step, 0, MEMORY, where, reading(open_copy)))
+        if self.peer is not None:
+            mine = ranks_tier(self.peer, self.rank)
+            for step in mine.all_steps():
+                name = mf.directory(step)
+
+                def open_peer(stack: contextlib.ExitStack, name: str = name) -> Opened:
+                    manifest = mine.manifest(name)
+                    reader, size = _open_shares(stack, [(mine, name, manifest)])
+                    return reader, manifest.world_size, size
+
+                where = f"{name} ({PEER})"
+                candidates.append(_Candidate(step, 1, PEER, where, reading(open_peer)))
+        if self.durable is not None:
+            candidates += self._shared_candidates(self.durable, reading)
+            durable = self.durable
+            for step in durable.all_steps():
+                name = mf.directory(step)
+
+                def open_dcp(stack: contextlib.ExitStack, name: str = name) -> Opened:
+                    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+                    manifest = durable.manifest(name)
+                    if manifest.format != "dcp":
+                        raise mf.Damaged(f"it is a {manifest.format} checkpoint, not sharded")
+                    durable.verify_files(name, manifest)
+                    size = sum(entry.size for entry in manifest.files.values())
+                    reader = FileSystemReader(_local_path(durable, f"{name}/{SHARDS}"))
+                    return reader, manifest.world_size, size
+
+                where = f"{name} ({DURABLE})"
+                candidates.append(_Candidate(step, 3, DURABLE, where, reading(open_dcp)))
+        if self.resume is not None:
+            candidates = [c for c in candidates if c.step <= self.resume]
+        if not candidates and self.durable is None and self.memory is None:
+            self._sharded_tier()  # says what is missing
+        return candidates
+
+    def _shared_candidates(
+        self, durable: Tier, reading: Callable[[Opener], Callable[[], tuple[Any, int, int]]]
+    ) -> list[_Candidate]:
+        """The sharded memory copies the agents made durable: a step every rank of the
+        world that saved it made durable, loaded (resharded) from all of their shares."""
+        steps: dict[int, list[Tier]] = {}
+        for tier in (ranks_tier(durable, rank) for rank in shared_ranks(durable)):
+            for step in tier.complete_steps():
+                steps.setdefault(step, []).append(tier)
+        found = []
+        for step, held in steps.items():
+            name = mf.directory(step)
+
+            def open_all(
+                stack: contextlib.ExitStack, name: str = name, held: list[Tier] = held
+            ) -> Opened:
+                manifests = [(tier, name, tier.manifest(name)) for tier in held]
+                world = manifests[0][2].world_size
+                if len(manifests) < world:
+                    raise mf.Damaged(f"{len(manifests)} of the {world} ranks' shares made durable")
+                reader, size = _open_shares(stack, manifests)
+                return reader, world, size
+
+            where = f"{name} ({DURABLE})"
+            found.append(_Candidate(step, 2, DURABLE, where, reading(open_all)))
+        return found
+
+    def save_shares(
+        self,
+        state: dict[str, Any],
+        step: int,
+        *,
+        asynchronous: bool = False,
+        placed: Mapping[int, tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
+    ) -> None:
+        """This rank's share of a sharded state into its arena (``save_sharded`` under
+        ``--checkpoint-memory``; ``placed`` as for ``Arena.save``)."""
+        if self.memory is None:
+            raise CheckpointError("no --checkpoint-memory: no arena to save into")
+        progress.heartbeat(step=step)
+        self._memory_arena().save(
+            state, step, rank=self.rank, world_size=self.world_size, format="sharded",
+            asynchronous=asynchronous, placed=placed,
+        )  # fmt: skip
 
     def _sharded_tier(self) -> Tier:
         if self.durable is None:
@@ -395,6 +525,47 @@ class Checkpointer:
         return None
 
 
+def ranks_tier(tier: Tier, rank: int) -> Tier:
+    """The checkpoints of ``rank``'s shares in ``tier``'s storage (``sharded/rank-R/``)."""
+    return Tier(
+        Prefixed(tier.storage, SHARDED.format(rank=rank)), tier.keep_last, tier.source, tier.budget
+    )
+
+
+def shared_ranks(tier: Tier) -> set[int]:
+    """The ranks whose shares ``tier``'s storage holds."""
+    found = set()
+    for name in tier.storage.names():
+        head, _, rest = name.partition("/")
+        if head == "sharded" and rest[:5] == "rank-" and rest[5:10].isdigit():
+            found.add(int(rest[5:10]))
+    return found
+
+
+def _slot_reader(paths: list[Path]) -> Any:
+    from rallypoint.checkpoint.slot_reader import SlotReader
+
+    return SlotReader(paths)
+
+
+def _open_shares(
+    stack: contextlib.ExitStack, found: list[tuple[Tier, str, mf.Manifest]]
+) -> tuple[Any, int]:
+    """A ``SlotReader`` over shares in checkpoint folders (``(tier, name, manifest)``
+    each), each file checked against its manifest first and kept open in ``stack``; and
+    their size."""
+    paths = []
+    size = 0
+    for tier, name, manifest in found:
+        (file_name, entry), *_ = manifest.files.items()
+        path = stack.enter_context(_local_file(tier, f"{name}/{file_name}"))
+        with open(path, "rb") as handle:
+            mf.verify(file_name, _mapped(handle), entry)
+        paths.append(path)
+        size += entry.size
+    return _slot_reader(paths), size
+
+
 def _tell_agent(saved: arena.Saved) -> None:
     worker_channel.send(
         "checkpoint_saved",
@@ -404,6 +575,7 @@ def _tell_agent(saved: arena.Saved) -> None:
         blocked_seconds=saved.blocked,
         asynchronous=saved.asynchronous,
         tier=MEMORY,
+        format=saved.format,
     )
 
 
@@ -443,8 +615,9 @@ def _load_slot_file(
 @contextlib.contextmanager
 def _local_file(tier: Tier, name: str) -> Iterator[Path]:
     """The file ``name`` of ``tier`` on this machine: where it lies, or a temporary copy."""
-    if isinstance(tier.storage, FileStorage):
-        path = tier.storage.path(name)
+    storage = tier.storage
+    path = storage.path(name) if isinstance(storage, (FileStorage, Prefixed)) else None
+    if path is not None:
         if not path.is_file():
             raise mf.Damaged(f"{name.rsplit('/', 1)[-1]} is missing")
         yield path

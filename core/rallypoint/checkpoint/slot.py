@@ -31,7 +31,7 @@ import os
 import struct
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -56,7 +56,8 @@ class Busy(Exception):
 
 @dataclass(frozen=True)
 class Record:
-    """What a slot holds: ``state`` COMMITTED (a complete copy) or WRITING."""
+    """What a slot holds: ``state`` COMMITTED (a complete copy) or WRITING; of which
+    ``format`` (an index into ``FORMATS``: a whole state, or one rank's share of one)."""
 
     state: int
     rank: int
@@ -65,6 +66,14 @@ class Record:
     step: int
     header_len: int
     data_len: int
+    format: int = 0
+
+    @property
+    def sharded(self) -> bool:
+        return FORMATS[self.format] == "sharded"
+
+    def committed(self) -> Record:
+        return replace(self, state=COMMITTED)
 
     @property
     def data_start(self) -> int:
@@ -77,7 +86,7 @@ class Record:
 
     def pack(self, header: bytes) -> bytes:
         fields = (
-            _MAGIC, self.state, self.rank, self.world_size, 0,
+            _MAGIC, self.state, self.rank, self.world_size, self.format,
             self.generation, self.step, self.header_len, self.data_len,
         )  # fmt: skip
         crc = zlib.crc32(header, zlib.crc32(_RECORD.pack(*fields, 0)))
@@ -92,24 +101,46 @@ def unpack(raw: bytes, header: bytes) -> Record | None:
     """The record in ``raw`` (its first 64 bytes), if it is one and ``header`` is its own."""
     if len(raw) < _RECORD.size:
         return None
-    magic, state, rank, world, _, generation, step, header_len, data_len, _ = _RECORD.unpack(
+    magic, state, rank, world, form, generation, step, header_len, data_len, _ = _RECORD.unpack(
         raw[: _RECORD.size]
     )
     if magic != _MAGIC or state not in (WRITING, COMMITTED) or len(header) != header_len:
         return None
-    record = Record(state, rank, world, generation, step, header_len, data_len)
+    if form >= len(FORMATS):
+        return None
+    record = Record(state, rank, world, generation, step, header_len, data_len, form)
     return record if record.pack(header) == raw[: _RECORD.size] else None
 
 
 @dataclass(frozen=True)
 class Tensor:
-    """Where one tensor's bytes are: ``offset`` from the start of the data."""
+    """Where one tensor's bytes are: ``offset`` from the start of the data. A rank's shard
+    of a distributed tensor (a ``DTensor``: FSDP2, tensor parallelism) is saved as its local
+    part, ``shape``, with the whole tensor's shape and the part's place in it."""
 
     dtype: str  # as torch names it: "float32", "bfloat16"
     shape: tuple[int, ...]
     offset: int
     nbytes: int
     device: str  # where it was saved from: "cpu", "cuda:0"
+    global_shape: tuple[int, ...] | None = None  # a shard's whole tensor
+    global_offset: tuple[int, ...] | None = None  # where the shard starts in it
+
+    def encode(self) -> list[Any]:
+        fields = [self.dtype, list(self.shape), self.offset, self.nbytes, self.device]
+        if self.global_shape is not None and self.global_offset is not None:
+            fields += [list(self.global_shape), list(self.global_offset)]
+        return fields
+
+    @classmethod
+    def decode(cls, fields: list[Any]) -> Tensor:
+        dtype, shape, offset, size, device, *whole = fields
+        global_shape = tuple(int(n) for n in whole[0]) if whole else None
+        global_offset = tuple(int(n) for n in whole[1]) if whole else None
+        shape = tuple(int(n) for n in shape)
+        return cls(
+            str(dtype), shape, int(offset), int(size), str(device), global_shape, global_offset
+        )
 
 
 @dataclass(frozen=True)
@@ -128,9 +159,7 @@ class Header:
             "format": self.format,
             "created": self.created,
             "tree": self.tree,
-            "tensors": [
-                [t.dtype, list(t.shape), t.offset, t.nbytes, t.device] for t in self.tensors
-            ],
+            "tensors": [t.encode() for t in self.tensors],
             "others_len": len(others),
         }
         text = json.dumps(body, separators=(",", ":")).encode()
@@ -142,10 +171,7 @@ class Header:
         try:
             (length,) = struct.unpack_from("<Q", raw)
             body = json.loads(raw[8 : 8 + length])
-            tensors = tuple(
-                Tensor(str(dtype), tuple(int(n) for n in shape), int(offset), int(size), str(dev))
-                for dtype, shape, offset, size, dev in body["tensors"]
-            )
+            tensors = tuple(Tensor.decode(list(fields)) for fields in body["tensors"])
             header = cls(
                 str(body["format"]), float(body["created"]), dict(body["tree"]), tensors,
                 int(body["others_len"]),

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import BinaryIO
 from urllib.parse import unquote, urlparse
 
-from rallypoint.interfaces import CheckpointError
+from rallypoint.interfaces import CheckpointError, CheckpointStorage
 
 _TEMPORARY = ".tmp-"
 
@@ -93,3 +93,31 @@ def _fsync_directory(path: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+class Prefixed:
+    """The objects under ``prefix/`` of ``storage``, as a storage of their own (a rank's
+    sharded memory checkpoints in ``--checkpoint-dir``)."""
+
+    def __init__(self, storage: CheckpointStorage, prefix: str) -> None:
+        self.storage = storage
+        self.prefix = prefix.strip("/") + "/"
+        self.url = f"{storage.url.rstrip('/')}/{self.prefix}"
+
+    def writer(self, name: str) -> contextlib.AbstractContextManager[BinaryIO]:
+        return self.storage.writer(self.prefix + name)
+
+    def reader(self, name: str) -> contextlib.AbstractContextManager[BinaryIO]:
+        return self.storage.reader(self.prefix + name)
+
+    def names(self) -> list[str]:
+        return [n[len(self.prefix) :] for n in self.storage.names() if n.startswith(self.prefix)]
+
+    def delete(self, name: str) -> None:
+        self.storage.delete(self.prefix + name)
+
+    def path(self, name: str) -> Path | None:
+        """Where ``name`` lies, if the storage is a file system's."""
+        return (
+            self.storage.path(self.prefix + name) if isinstance(self.storage, FileStorage) else None
+        )

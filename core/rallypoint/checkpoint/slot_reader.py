@@ -1,0 +1,161 @@
+"""Memory checkpoints as ``torch.distributed.checkpoint`` reads them: a ``StorageReader``
+over slot files (``rallypoint.checkpoint.slot``), one per rank that saved.
+
+``dcp.load(state, storage_reader=SlotReader(paths), no_dist=True)`` loads ``state`` in place
+from the copies in ``paths``, resharding as DCP does: each rank's file says, for every
+tensor it saved, the whole tensor's shape and where its part lies in it (a ``DTensor``'s
+local shard; a plain tensor is whole), and the reader describes the union to DCP. So one
+rank's own copy restores it at the same world size, and every rank's copies restore any
+other world size. The metadata is made from the files' headers: nothing is unpickled but
+the few leaves JSON cannot hold, with ``weights_only``. This module imports torch: import
+it where a load needs it.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.storage import StorageReader
+
+from rallypoint.checkpoint import slot, tree
+from rallypoint.checkpoint.manifest import Damaged
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """Where a saved part of a tensor is: its file, and where in it."""
+
+    path: Path
+    start: int  # the byte offset of the part in the file
+    entry: slot.Tensor
+
+
+class SlotReader(StorageReader):
+    """Reads the memory checkpoints in ``paths`` (slot files, or copies of them) for
+    ``torch.distributed.checkpoint.load``."""
+
+    def __init__(self, paths: Sequence[Path | str]) -> None:
+        super().__init__()
+        self.paths = [Path(path) for path in paths]
+        self._tensors: dict[Any, _Chunk] = {}
+        self._objects: dict[str, Any] = {}
+
+    # --- what DCP asks of a reader ----------------------------------------------------------
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        self._tensors, self._objects = {}, {}
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False  # given outright, never found from a checkpoint id
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        import torch
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+        from torch.distributed.checkpoint.metadata import (
+            BytesStorageMetadata,
+            ChunkStorageMetadata,
+            Metadata,
+            MetadataIndex,
+            StorageMeta,
+            TensorProperties,
+            TensorStorageMetadata,
+        )
+
+        described: dict[str, Any] = {}
+        for path in self.paths:
+            with open(path, "rb") as handle:
+                record, raw = slot.read(handle)
+            header, other_bytes = slot.Header.decode(raw)
+            others = torch.load(io.BytesIO(other_bytes), weights_only=True) if other_bytes else []
+            # The saved state with a stand-in for each tensor, flattened as DCP flattens
+            # the state it loads into: the names and the leaves are DCP's own.
+            stand_ins = [
+                torch.empty(entry.global_shape or entry.shape, dtype=_dtype(entry), device="meta")
+                for entry in header.tensors
+            ]
+            flat, _ = flatten_state_dict(tree.decode(header.tree, stand_ins, others))
+            index = {id(stand_in): i for i, stand_in in enumerate(stand_ins)}
+            for fqn, value in flat.items():
+                if id(value) not in index:
+                    self._objects.setdefault(fqn, value)
+                    described.setdefault(fqn, BytesStorageMetadata())
+                    continue
+                entry = header.tensors[index[id(value)]]
+                offsets = torch.Size(entry.global_offset or (0,) * len(entry.shape))
+                key = MetadataIndex(fqn, offsets)
+                if key in self._tensors:  # a replicated tensor: every rank saved it
+                    continue
+                self._tensors[key] = _Chunk(path, record.data_start + entry.offset, entry)
+                known = described.setdefault(
+                    fqn,
+                    TensorStorageMetadata(
+                        TensorProperties(dtype=_dtype(entry)), torch.Size(value.shape), []
+                    ),
+                )
+                known.chunks.append(ChunkStorageMetadata(offsets, torch.Size(entry.shape)))
+        return Metadata(described, storage_data={}, storage_meta=StorageMeta())
+
+    def set_up_storage_reader(
+        self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        return plan
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        return plans
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        import torch
+        from torch.distributed._shard._utils import narrow_tensor_by_index
+        from torch.distributed.checkpoint.planner import LoadItemType
+
+        for item in plan.items:
+            fqn = item.storage_index.fqn
+            if item.type == LoadItemType.BYTE_IO:
+                data = io.BytesIO()
+                torch.save(self._objects[fqn], data)
+                data.seek(0)
+                planner.load_bytes(item, data)
+                continue
+            chunk = self._tensors.get(item.storage_index)
+            if chunk is None:
+                raise Damaged(f"no copy holds {fqn} at {tuple(item.storage_index.offset or ())}")
+            saved = torch.empty(chunk.entry.shape, dtype=_dtype(chunk.entry))
+            _read(chunk.path, chunk.start, saved)
+            part = narrow_tensor_by_index(saved, item.storage_offsets, item.lengths)
+            target = planner.resolve_tensor(item).detach()
+            target.copy_(part)
+            planner.commit_tensor(item, target)
+        done: Any = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+
+def _dtype(entry: slot.Tensor) -> Any:
+    import torch
+
+    return getattr(torch, entry.dtype)
+
+
+def _read(path: Path, start: int, tensor: Any) -> None:
+    """The bytes of ``tensor`` from ``path`` at ``start``, read straight into it."""
+    import torch
+
+    view = memoryview(tensor.view(-1).view(torch.uint8).numpy())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while len(view):
+            count = os.preadv(fd, [view], start)
+            if count <= 0:
+                raise Damaged(f"{path.name} is shorter than its header says")
+            view, start = view[count:], start + count
+    finally:
+        os.close(fd)
