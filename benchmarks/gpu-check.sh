@@ -3,7 +3,8 @@
 # the project's dependencies (pluggy, typer, python-hostlist; pytest and pytest-xdist for the
 # tests; matplotlib for the chart, else it is left out). From the project's root:
 #   bash benchmarks/gpu-check.sh [tests] [bench]      (none: both)
-#   tests   the arena's, warm start's and warm workers' random state's tests, CUDA ones included
+#   tests   the arena's, warm start's and warm workers' random state's tests, CUDA ones included;
+#           examples/dcp_train.py (FSDP2 on the GPU, DCP into the memory tier) failing once
 #   bench   benchmarks/bench_gpu.py: writes benchmarks/results/gpu.json and docs/benchmarks-gpu.md
 # Logs and the written files go to $OUT (default /tmp/gpu-check). Every step is bounded.
 set -u
@@ -21,6 +22,11 @@ if [[ $parts == *" tests "* ]]; then
     tests/test_warm_random.py tests/test_warm_start.py >"$O/pytest-gpu.log" 2>&1
   echo "GPU tests exit $?: $(tail -1 "$O/pytest-gpu.log")"
   grep -E "^(FAILED|ERROR|SKIPPED)" "$O/pytest-gpu.log" | head -20
+  # One rank (NCCL takes one GPU per rank): it fails at step 20 and resumes from memory.
+  timeout 300 rallypoint run --nproc-per-node 1 --max-restarts 1 --checkpoint-memory 1GB \
+    --checkpoint-dir "$O/dcp" examples/dcp_train.py --steps 40 --crash-at 20 --crash-rank 0 \
+    >"$O/dcp-train.log" 2>&1
+  echo "dcp_train exit $?: $(grep -c 'resumed from step 19 (memory)' "$O/dcp-train.log") resumed from memory"
   say tests done
 fi
 

@@ -29,7 +29,8 @@ from rallypoint.checkpoint.dcp import RallypointReader, RallypointWriter
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--crash-at", type=int, default=-1, help="rank 1 fails at this step once")
+    parser.add_argument("--crash-at", type=int, default=-1, help="a rank fails at this step once")
+    parser.add_argument("--crash-rank", type=int, default=1, help="the rank that fails")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -57,8 +58,8 @@ def main() -> None:
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     device = "cuda" if cuda else "cpu"
     for step in range(start, args.steps):
-        if step == args.crash_at and dist.get_rank() == 1 and not restarted:
-            raise RuntimeError(f"simulated failure of rank 1 at step {step}")
+        if step == args.crash_at and dist.get_rank() == args.crash_rank and not restarted:
+            raise RuntimeError(f"simulated failure of rank {args.crash_rank} at step {step}")
         generator = torch.Generator().manual_seed(step * 100 + dist.get_rank())
         inputs = torch.randn(32, 64, generator=generator).to(device)
         loss = model(inputs).pow(2).mean()

@@ -73,9 +73,16 @@ class RallypointWriter(StorageWriter):
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
                 size = len(data.getbuffer())
-                # DCP's own pickle of the leaf: unpickled to be stored as save_sharded would.
+                # DCP's own pickle of the leaf, stored as save_sharded stores one: only what
+                # a load with weights_only (as every rallypoint load) gives back is kept.
                 data.seek(0)
-                state[fqn] = torch.load(data, weights_only=False)
+                try:
+                    state[fqn] = torch.load(data, weights_only=True)
+                except Exception:  # an UnpicklingError: weights_only refused something
+                    raise CheckpointError(
+                        f"{fqn!r} is neither a tensor nor a plain value (numbers, strings, "
+                        "lists, dicts), so it cannot go to a memory checkpoint"
+                    ) from None
             else:
                 tensor = data.detach()
                 state[fqn] = tensor
