@@ -487,7 +487,7 @@ def load_file(
     devices = [_target(entry.device, map_location) for entry in header.tensors]
     mapped = None
     if any(device.type == "cuda" for device in devices):
-        mapped = _Pinned(path, record.size)
+        mapped = PinnedFile(path, record.size)
     try:
         tensors = []
         for entry, device in zip(header.tensors, devices, strict=True):
@@ -520,7 +520,7 @@ def _read_into(fd: int, tensor: Any, offset: int) -> None:
         view, offset = view[count:], offset + count
 
 
-class _Pinned:
+class PinnedFile:
     """A copy's file mapped and pinned for the GPU's copy engine, for a load."""
 
     def __init__(self, path: Path, size: int) -> None:

@@ -113,27 +113,54 @@ class SlotReader(StorageReader):
         return plans
 
     def read_data(self, plan: Any, planner: Any) -> Any:
+        """Each item's bytes into its tensor: a CPU tensor that takes a saved part whole
+        gets it read straight into it (one copy, by the kernel); a CUDA one from the file
+        mapped and pinned (a DMA), as a whole state's load does; any other through a
+        tensor the part is read into first."""
         import torch
         from torch.distributed._shard._utils import narrow_tensor_by_index
         from torch.distributed.checkpoint.planner import LoadItemType
 
-        for item in plan.items:
-            fqn = item.storage_index.fqn
-            if item.type == LoadItemType.BYTE_IO:
-                data = io.BytesIO()
-                torch.save(self._objects[fqn], data)
-                data.seek(0)
-                planner.load_bytes(item, data)
-                continue
-            chunk = self._tensors.get(item.storage_index)
-            if chunk is None:
-                raise Damaged(f"no copy holds {fqn} at {tuple(item.storage_index.offset or ())}")
-            saved = torch.empty(chunk.entry.shape, dtype=_dtype(chunk.entry))
-            _read(chunk.path, chunk.start, saved)
-            part = narrow_tensor_by_index(saved, item.storage_offsets, item.lengths)
-            target = planner.resolve_tensor(item).detach()
-            target.copy_(part)
-            planner.commit_tensor(item, target)
+        from rallypoint.checkpoint.arena import PinnedFile
+
+        mapped: dict[Path, PinnedFile] = {}
+        loaded = []
+        try:
+            for item in plan.items:
+                fqn = item.storage_index.fqn
+                if item.type == LoadItemType.BYTE_IO:
+                    data = io.BytesIO()
+                    torch.save(self._objects[fqn], data)
+                    data.seek(0)
+                    planner.load_bytes(item, data)
+                    continue
+                chunk = self._tensors.get(item.storage_index)
+                if chunk is None:
+                    where = tuple(item.storage_index.offset or ())
+                    raise Damaged(f"no copy holds {fqn} at {where}")
+                entry, dtype = chunk.entry, _dtype(chunk.entry)
+                target = planner.resolve_tensor(item).detach()
+                whole = list(item.lengths) == list(entry.shape) and not any(item.storage_offsets)
+                if target.is_cuda:
+                    if chunk.path not in mapped:
+                        mapped[chunk.path] = PinnedFile(chunk.path, chunk.path.stat().st_size)
+                    saved = mapped[chunk.path].view(chunk.start, entry)
+                    part = narrow_tensor_by_index(saved, item.storage_offsets, item.lengths)
+                    target.copy_(part, non_blocking=True)
+                elif whole and target.dtype == dtype and target.is_contiguous():
+                    _read(chunk.path, chunk.start, target)
+                else:
+                    saved = torch.empty(entry.shape, dtype=dtype)
+                    _read(chunk.path, chunk.start, saved)
+                    target.copy_(narrow_tensor_by_index(saved, item.storage_offsets, item.lengths))
+                loaded.append((item, target))
+            if mapped:  # every DMA from the mappings is done before they go
+                torch.cuda.synchronize()
+            for item, target in loaded:
+                planner.commit_tensor(item, target)
+        finally:
+            for pinned in mapped.values():
+                pinned.close()
         done: Any = torch.futures.Future()
         done.set_result(None)
         return done
