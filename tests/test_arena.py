@@ -230,17 +230,20 @@ def test_holding_a_copy_written_over_meanwhile_is_refused(tmp_path: Path) -> Non
     memory.close()
 
 
-def test_an_asynchronous_save_holds_the_optimizer_s_step_until_it_is_copied(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    gate = threading.Event()
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Holds every copy of the arena's copier until the test sets it."""
+    opened = threading.Event()
     finish = copying.Copier._finish
+    monkeypatch.setattr(
+        copying.Copier, "_finish", lambda self, copy: (opened.wait(30), finish(self, copy))
+    )
+    return opened
 
-    def held(self: copying.Copier, copy: Any) -> None:
-        gate.wait(30)
-        finish(self, copy)
 
-    monkeypatch.setattr(copying.Copier, "_finish", held)
+def test_an_asynchronous_save_holds_the_optimizer_s_step_until_it_is_copied(
+    tmp_path: Path, gate: threading.Event
+) -> None:
     model = torch.nn.Linear(64, 64)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     memory = arena.Arena(tmp_path, 0)
@@ -260,13 +263,8 @@ def test_an_asynchronous_save_holds_the_optimizer_s_step_until_it_is_copied(
 
 
 def test_an_asynchronous_copy_whose_tensor_changed_is_not_kept(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, gate: threading.Event, caplog: pytest.LogCaptureFixture
 ) -> None:
-    gate = threading.Event()
-    finish = copying.Copier._finish
-    monkeypatch.setattr(
-        copying.Copier, "_finish", lambda self, copy: (gate.wait(30), finish(self, copy))
-    )
     memory = arena.Arena(tmp_path, 0)
     state = {"running_mean": torch.zeros(8)}
     memory.save(state, 1, rank=0, world_size=1)
@@ -280,13 +278,8 @@ def test_an_asynchronous_copy_whose_tensor_changed_is_not_kept(
 
 
 def test_two_asynchronous_saves_at_most_are_copied_at_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, gate: threading.Event
 ) -> None:
-    gate = threading.Event()
-    finish = copying.Copier._finish
-    monkeypatch.setattr(
-        copying.Copier, "_finish", lambda self, copy: (gate.wait(30), finish(self, copy))
-    )
     memory = arena.Arena(tmp_path, 0)
     for step in (1, 2):
         memory.save({"w": torch.ones(4)}, step, rank=0, world_size=1, asynchronous=True)
