@@ -605,6 +605,13 @@ class StoreRendezvous:
             self.keys.run_id,
         )
         left, self.keys = self.keys, current
+        # Alive in the new generation before its first join record there, as a node is
+        # before its first join (``_start_heartbeats``): the heartbeat thread renews only
+        # every heartbeat_timeout / 3, and a member that read the record first would take
+        # this node for gone.
+        self.store.keep_alive(
+            self.keys.heartbeat(self.node.node_id), self.settings.heartbeat_timeout
+        )
         # The node that moved the run on deleted the old keys; what this node wrote there
         # since (a join, a counter read) is nobody's: delete it too.
         self.store.delete_prefix(left.root)
