@@ -498,7 +498,7 @@ def load_file(
                 continue
             tensor = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
             if entry.nbytes:
-                _read_into(fd, tensor, offset)
+                read_into(fd, tensor, offset)
             tensors.append(tensor if device.type == "cpu" else tensor.to(device))
         if mapped is not None:  # the DMA from the mapping is done before it goes
             torch.cuda.synchronize()
@@ -511,7 +511,9 @@ def load_file(
     return tree.decode(header.tree, tensors, others)
 
 
-def _read_into(fd: int, tensor: Any, offset: int) -> None:
+def read_into(fd: int, tensor: Any, offset: int) -> None:
+    """The bytes of ``tensor`` from the file ``fd`` at ``offset``, read straight into it
+    (``preadv``: one copy, by the kernel)."""
     view = memoryview(tensor.view(-1).view(__import__("torch").uint8).numpy())
     while len(view):
         count = os.preadv(fd, [view], offset)

@@ -121,9 +121,7 @@ class SlotReader(StorageReader):
         from torch.distributed._shard._utils import narrow_tensor_by_index
         from torch.distributed.checkpoint.planner import LoadItemType
 
-        from rallypoint.checkpoint.arena import PinnedFile
-
-        mapped: dict[Path, PinnedFile] = {}
+        files = _Files()
         loaded = []
         try:
             for item in plan.items:
@@ -142,47 +140,57 @@ class SlotReader(StorageReader):
                 target = planner.resolve_tensor(item).detach()
                 whole = list(item.lengths) == list(entry.shape) and not any(item.storage_offsets)
                 if target.is_cuda:
-                    if chunk.path not in mapped:
-                        mapped[chunk.path] = PinnedFile(chunk.path, chunk.path.stat().st_size)
-                    saved = mapped[chunk.path].view(chunk.start, entry)
+                    saved = files.pinned(chunk.path).view(chunk.start, entry)
                     part = narrow_tensor_by_index(saved, item.storage_offsets, item.lengths)
                     target.copy_(part, non_blocking=True)
                 elif whole and target.dtype == dtype and target.is_contiguous():
-                    _read(chunk.path, chunk.start, target)
+                    files.read(chunk.path, chunk.start, target)
                 else:
                     saved = torch.empty(entry.shape, dtype=dtype)
-                    _read(chunk.path, chunk.start, saved)
+                    files.read(chunk.path, chunk.start, saved)
                     target.copy_(narrow_tensor_by_index(saved, item.storage_offsets, item.lengths))
                 loaded.append((item, target))
-            if mapped:  # every DMA from the mappings is done before they go
+            if files.mapped:  # every DMA from the mappings is done before they go
                 torch.cuda.synchronize()
             for item, target in loaded:
                 planner.commit_tensor(item, target)
         finally:
-            for pinned in mapped.values():
-                pinned.close()
+            files.close()
         done: Any = torch.futures.Future()
         done.set_result(None)
         return done
+
+
+class _Files:
+    """The files one ``read_data`` reads: each opened once for all of its parts, and
+    mapped and pinned once if a part goes to a GPU."""
+
+    def __init__(self) -> None:
+        self.opened: dict[Path, int] = {}
+        self.mapped: dict[Path, Any] = {}  # arena.PinnedFile
+
+    def read(self, path: Path, start: int, tensor: Any) -> None:
+        from rallypoint.checkpoint.arena import read_into
+
+        if path not in self.opened:
+            self.opened[path] = os.open(path, os.O_RDONLY)
+        read_into(self.opened[path], tensor, start)
+
+    def pinned(self, path: Path) -> Any:
+        from rallypoint.checkpoint.arena import PinnedFile
+
+        if path not in self.mapped:
+            self.mapped[path] = PinnedFile(path, path.stat().st_size)
+        return self.mapped[path]
+
+    def close(self) -> None:
+        for pinned in self.mapped.values():
+            pinned.close()
+        for fd in self.opened.values():
+            os.close(fd)
 
 
 def _dtype(entry: slot.Tensor) -> Any:
     import torch
 
     return getattr(torch, entry.dtype)
-
-
-def _read(path: Path, start: int, tensor: Any) -> None:
-    """The bytes of ``tensor`` from ``path`` at ``start``, read straight into it."""
-    import torch
-
-    view = memoryview(tensor.view(-1).view(torch.uint8).numpy())
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        while len(view):
-            count = os.preadv(fd, [view], start)
-            if count <= 0:
-                raise Damaged(f"{path.name} is shorter than its header says")
-            view, start = view[count:], start + count
-    finally:
-        os.close(fd)
