@@ -154,12 +154,13 @@ class NodeMemory:
         """The copy of ``step`` by ``rank`` this node holds, its own or a peer's, held
         while the block runs; ``mf.Damaged`` when it holds none."""
         with contextlib.ExitStack() as stack:
-            for source in (self.copies, self._inbox(rank, sharded)):
+            holds: tuple[Callable[[], contextlib.AbstractContextManager[Held]], ...] = (
+                lambda: self.copies.hold(step, rank, sharded),
+                lambda: self._inbox(rank, sharded).hold(step),
+            )
+            for hold in holds:
                 try:
-                    if source is self.copies:
-                        held = stack.enter_context(self.copies.hold(step, rank, sharded))
-                    else:
-                        held = stack.enter_context(self._inbox(rank, sharded).hold(step))
+                    held = stack.enter_context(hold())
                 except mf.Damaged:
                     continue
                 yield held

@@ -4,6 +4,7 @@ background, whichever storage ``--checkpoint-dir`` names."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import mmap
@@ -327,37 +328,37 @@ class Checkpointer:
 
                 where = f"{mf.directory(copy.step)} ({MEMORY})"
                 candidates.append(_Candidate(copy.step, 0, MEMORY, where, reading(open_copy)))
+
+        def read_with(opener: Callable[[str, mf.Manifest, contextlib.ExitStack], Opened]) -> Any:
+            """A format's ``(name, manifest) -> (state, bytes)`` for ``_tier_candidates``."""
+
+            def read(name: str, manifest: mf.Manifest) -> tuple[Any, int]:
+                state, _, size = reading(functools.partial(opener, name, manifest))()
+                return state, size
+
+            return read
+
         if self.peer is not None:
             mine = ranks_tier(self.peer, self.rank)
-            for step in mine.all_steps():
-                name = mf.directory(step)
 
-                def open_peer(stack: contextlib.ExitStack, name: str = name) -> Opened:
-                    manifest = mine.manifest(name)
-                    reader, size = _open_shares(stack, [(mine, name, manifest)])
-                    return reader, manifest.world_size, size
+            def open_peer(name: str, manifest: mf.Manifest, stack: contextlib.ExitStack) -> Opened:
+                reader, size = _open_shares(stack, [(mine, name, manifest)])
+                return reader, manifest.world_size, size
 
-                where = f"{name} ({PEER})"
-                candidates.append(_Candidate(step, 1, PEER, where, reading(open_peer)))
+            candidates += self._tier_candidates(mine, 1, {FORMAT: read_with(open_peer)})
         if self.durable is not None:
             candidates += self._shared_candidates(self.durable, reading)
             durable = self.durable
-            for step in durable.all_steps():
-                name = mf.directory(step)
 
-                def open_dcp(stack: contextlib.ExitStack, name: str = name) -> Opened:
-                    from torch.distributed.checkpoint.filesystem import FileSystemReader
+            def open_dcp(name: str, manifest: mf.Manifest, stack: contextlib.ExitStack) -> Opened:
+                from torch.distributed.checkpoint.filesystem import FileSystemReader
 
-                    manifest = durable.manifest(name)
-                    if manifest.format != "dcp":
-                        raise mf.Damaged(f"it is a {manifest.format} checkpoint, not sharded")
-                    durable.verify_files(name, manifest)
-                    size = sum(entry.size for entry in manifest.files.values())
-                    reader = FileSystemReader(_local_path(durable, f"{name}/{SHARDS}"))
-                    return reader, manifest.world_size, size
+                durable.verify_files(name, manifest)
+                size = sum(entry.size for entry in manifest.files.values())
+                reader = FileSystemReader(_local_path(durable, f"{name}/{SHARDS}"))
+                return reader, manifest.world_size, size
 
-                where = f"{name} ({DURABLE})"
-                candidates.append(_Candidate(step, 3, DURABLE, where, reading(open_dcp)))
+            candidates += self._tier_candidates(durable, 3, {"dcp": read_with(open_dcp)})
         if self.resume is not None:
             candidates = [c for c in candidates if c.step <= self.resume]
         if not candidates and self.durable is None and self.memory is None:
@@ -557,10 +558,8 @@ def _open_shares(
     paths = []
     size = 0
     for tier, name, manifest in found:
-        (file_name, entry), *_ = manifest.files.items()
-        path = stack.enter_context(_local_file(tier, f"{name}/{file_name}"))
-        with open(path, "rb") as handle:
-            mf.verify(file_name, _mapped(handle), entry)
+        (file_name, _), *_ = manifest.files.items()  # a share's one file, rank-R.slot
+        path, entry = stack.enter_context(_verified_file(tier, name, manifest, file_name))
         paths.append(path)
         size += entry.size
     return _slot_reader(paths), size
@@ -602,14 +601,25 @@ def _load_slot_file(
     """A memory checkpoint an agent sent or made durable: a slot's bytes in one file,
     checked against its manifest, then loaded as a slot is (from a local file as it lies;
     from another storage, through a temporary file)."""
-    file_name = FILE.format(rank=0)
+    verified = _verified_file(tier, name, manifest, FILE.format(rank=0))
+    with verified as (path, entry), open(path, "rb") as handle:
+        record, _ = slot.read(handle)
+        return arena.load_file(handle.fileno(), record, path, **options), entry.size
+
+
+@contextlib.contextmanager
+def _verified_file(
+    tier: Tier, name: str, manifest: mf.Manifest, file_name: str
+) -> Iterator[tuple[Path, mf.FileEntry]]:
+    """The file ``file_name`` of checkpoint ``name`` on this machine (``_local_file``),
+    checked against its manifest entry, which comes with it."""
     entry = manifest.files.get(file_name)
     if entry is None:
         raise mf.Damaged(f"the manifest lists no {file_name}")
-    with _local_file(tier, f"{name}/{file_name}") as path, open(path, "rb") as handle:
-        mf.verify(file_name, _mapped(handle), entry)
-        record, _ = slot.read(handle)
-        return arena.load_file(handle.fileno(), record, path, **options), entry.size
+    with _local_file(tier, f"{name}/{file_name}") as path:
+        with open(path, "rb") as handle:
+            mf.verify(file_name, _mapped(handle), entry)
+        yield path, entry
 
 
 @contextlib.contextmanager
