@@ -236,7 +236,8 @@ def node_factory(
         return torch_node_factory(job, handlers)
     from rallypoint.builtins.rank_assigners import ordered
     from rallypoint.extensions import NodeSpec, RankAssigner, RendezvousRequest
-    from rallypoint.rendezvous.protocol import Settings, StoreRendezvous
+    from rallypoint.rendezvous.protocol import StoreRendezvous
+    from rallypoint.rendezvous.settings import Settings
 
     backend = store_backend(job.name)
     connect = backend.connect
@@ -597,7 +598,7 @@ def decode_cost(n: int) -> dict[str, float]:
     """What every node spends decoding an N-member round record (records.decode_round)."""
     from rallypoint.extensions import DEFAULT_PREFIX
     from rallypoint.rendezvous import records
-    from rallypoint.rendezvous.protocol import Keys
+    from rallypoint.rendezvous.keys import Keys
 
     ids = tuple(f"node{i}" for i in range(n))
     keys = Keys(DEFAULT_PREFIX, "bench-decode")
@@ -696,7 +697,7 @@ def measure(
 
 
 def measure_all(args: argparse.Namespace) -> dict[str, Any]:
-    from rallypoint.rendezvous import protocol
+    from rallypoint.rendezvous import heartbeat
 
     names, sizes = args.names, args.sizes
     stores = [name for name in names if name in report.STORE_BACKENDS]
@@ -725,8 +726,8 @@ def measure_all(args: argparse.Namespace) -> dict[str, Any]:
         "servers": server_versions(names),
         # How often a joining node's heartbeat thread wakes, and its longest store wait
         # once its node is in a round, with this benchmark's settings.
-        "heartbeat_wakeup_s": min(600 / 3, protocol.PROGRESS_INTERVAL),
-        "wake_slice_s": protocol.WAKE_SLICE,
+        "heartbeat_wakeup_s": min(600 / 3, heartbeat.PROGRESS_INTERVAL),
+        "wake_slice_s": heartbeat.WAKE_SLICE,
         "dns": dns,
         "load_average": [load_before, os.getloadavg()[0]],
         "decode": {str(n): decode_cost(n) for n in sizes},

@@ -290,38 +290,13 @@ def test_an_outage_longer_than_retry_timeout_is_a_clear_error() -> None:
         FlakyStore.down.clear()
 
 
-class OlderStore:
-    """A store written before ``wait_value`` and ``add_and_get`` were in the interface."""
-
-    def __init__(self) -> None:
-        self._memory = MemoryStore()
-
-    def __getattr__(self, name: str) -> object:
-        if name in ("wait_value", "add_and_get"):
-            raise AttributeError(name)
-        return getattr(self._memory, name)
-
-
-def test_a_store_without_wait_value_gets_wait_then_get() -> None:
-    store = RetryingStore(OlderStore(), retry_timeout=1)  # type: ignore[arg-type]
-    assert store.wait_value("/k", 0.1) is None
-    threading.Timer(0.2, store.set, args=("/k", b"value")).start()
-    assert store.wait_value("/k", 10) == b"value"
-
-
-def test_a_store_without_add_and_get_gets_add_then_get() -> None:
-    store = RetryingStore(OlderStore(), retry_timeout=1)  # type: ignore[arg-type]
-    assert store.add_and_get("/count", 1, "/state") == (1, None)
-    store.set("/state", b"3")
-    assert store.add_and_get("/count", 1, "/state") == (2, b"3")
-
-
 def test_an_exit_barrier_of_a_round_the_others_left_does_not_wait() -> None:
     """Node a finishes round 0 while node b, taking it for gone, went on to round 1: a's
     exit barrier returns once it sees the job past its round, not after its timeout."""
     from rallypoint.builtins.rank_assigners import register_rank_assigners
     from rallypoint.extensions import NodeSpec
-    from rallypoint.rendezvous.protocol import Settings, StoreRendezvous
+    from rallypoint.rendezvous.protocol import StoreRendezvous
+    from rallypoint.rendezvous.settings import Settings
 
     store = MemoryStore()
     ordered = register_rank_assigners()[0]
@@ -349,15 +324,18 @@ def test_a_joiner_is_alive_before_its_record_is_read(monkeypatch: pytest.MonkeyP
     a alive, not take the run for abandoned and start it afresh without a."""
     from rallypoint.builtins.rank_assigners import register_rank_assigners
     from rallypoint.extensions import NodeSpec
-    from rallypoint.rendezvous.protocol import Keys, Settings, StoreRendezvous
+    from rallypoint.rendezvous.heartbeat import Heartbeat
+    from rallypoint.rendezvous.keys import Keys
+    from rallypoint.rendezvous.protocol import StoreRendezvous
+    from rallypoint.rendezvous.settings import Settings
 
-    beat = StoreRendezvous._beat
+    run = Heartbeat.run
 
-    def late_beat(self: StoreRendezvous, *args: object) -> None:
+    def late_run(self: Heartbeat, *args: object) -> object:
         time.sleep(2)
-        beat(self, *args)  # type: ignore[arg-type]
+        return (yield from run(self, *args))  # type: ignore[arg-type]
 
-    monkeypatch.setattr(StoreRendezvous, "_beat", late_beat)
+    monkeypatch.setattr(Heartbeat, "run", late_run)
     store = MemoryStore()
     ordered = register_rank_assigners()[0]
     conf = {"last_call_timeout": 0.2, "heartbeat_timeout": 30, "join_timeout": 8}
@@ -378,3 +356,36 @@ def test_a_joiner_is_alive_before_its_record_is_read(monkeypatch: pytest.MonkeyP
     finally:
         a.close()
         b.close()
+
+
+def test_a_plugin_handler_without_a_method_the_agent_calls_is_refused() -> None:
+    from rallypoint.agent.rendezvous import checked_handler
+    from rallypoint.errors import UsageError
+
+    class Partial:
+        def next_round(self) -> None: ...
+
+    with pytest.raises(UsageError, match=r"without nodes_waiting, request_new_round, .*paces"):
+        checked_handler("mine", Partial())
+
+
+def test_a_plugin_handler_gets_the_optional_methods_from_the_base_class() -> None:
+    from rallypoint.agent.rendezvous import checked_handler
+    from rallypoint.sdk import RendezvousHandler
+
+    class Mine(RendezvousHandler):
+        def next_round(self):  # type: ignore[no-untyped-def]
+            raise NotImplementedError
+
+        def nodes_waiting(self) -> int:
+            return 0
+
+        def request_new_round(self) -> None: ...
+
+        def exit_barrier(self, timeout: float) -> None: ...
+
+        def close(self) -> None: ...
+
+    handler = checked_handler("mine", Mine())
+    assert handler.gone(["a"]) == [] and handler.paces() == {}
+    handler.fail("why")  # nothing to do: the others see this node leave

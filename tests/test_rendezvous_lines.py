@@ -3,20 +3,14 @@ the store: on the in-memory store, with the protocol's own functions."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from rallypoint.rendezvous import records
+from rallypoint.rendezvous import calls, generations, records
+from rallypoint.rendezvous.generations import current_generation, inspect_run
+from rallypoint.rendezvous.heartbeat import progress_line
+from rallypoint.rendezvous.keys import Keys
 from rallypoint.rendezvous.memory import MemoryStore
-from rallypoint.rendezvous.protocol import (
-    Keys,
-    Settings,
-    current_generation,
-    inspect_run,
-    progress_line,
-    settle_generation,
-)
+from rallypoint.rendezvous.settings import Settings
 
 SETTINGS = Settings.from_conf(2, 4, {"last_call_timeout": 30})
 
@@ -35,7 +29,7 @@ def test_a_waiting_node_says_what_its_round_waits_for(joined: int, line: str) ->
 
 
 def test_the_leader_says_when_its_last_call_ends() -> None:
-    line = progress_line(0, 3, SETTINGS, left=500, last_call=(0, time.monotonic() + 25.4))
+    line = progress_line(0, 3, SETTINGS, left=500, closes_in=25.4)
     assert (
         line
         == "rendezvous round 0: 3 of 2:4 nodes joined, MIN reached; it closes in 25 s unless 1 more join"
@@ -57,27 +51,27 @@ def dead_run(store: MemoryStore, keys: Keys, members: tuple[str, ...], alive: se
         store.keep_alive(keys.heartbeat(node), 60)
 
 
-def alive(store: MemoryStore, key: str) -> bool:
-    return store.alive(key, 60)
+def settle_generation(store: MemoryStore, keys: Keys, nnodes: str) -> Keys:
+    return calls.drive(generations.settle(keys, lambda key: calls.alive(key, 60), nnodes), store)
 
 
 def test_a_run_with_no_agent_alive_starts_afresh_and_loses_its_keys() -> None:
     store, keys = MemoryStore(), Keys("/rallypoint", "job")
     dead_run(store, keys, ("a", "b"), alive=set())
-    assert inspect_run(store, keys, alive)[0] == "round 1, 2 nodes, none with a heartbeat"
-    fresh = settle_generation(store, keys, alive, "1:2")
+    assert inspect_run(store, keys, 60)[0] == "round 1, 2 nodes, none with a heartbeat"
+    fresh = settle_generation(store, keys, "1:2")
     assert fresh.generation == 1 and fresh.root == "/rallypoint/job~1/"
     assert store.get(keys.state()) is None  # the dead generation's keys are gone
     assert current_generation(store, keys).generation == 1
-    assert inspect_run(store, fresh, alive) == (None, "")  # a new run: nothing to count
+    assert inspect_run(store, fresh, 60) == (None, "")  # a new run: nothing to count
 
 
 def test_a_run_with_one_agent_alive_is_joined() -> None:
     store, keys = MemoryStore(), Keys("/rallypoint", "job")
     dead_run(store, keys, ("a", "b"), alive={"b"})
-    assert settle_generation(store, keys, alive, "1:2").generation == 0
+    assert settle_generation(store, keys, "1:2").generation == 0
     with pytest.raises(Exception, match="is the id of a running job of --nnodes 1:2"):
-        settle_generation(store, keys, alive, "4:4")
+        settle_generation(store, keys, "4:4")
 
 
 def test_records_of_a_later_generation_are_the_run_s_own() -> None:

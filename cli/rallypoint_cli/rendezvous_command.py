@@ -14,7 +14,9 @@ from rallypoint.interfaces import CoordinationStore
 from rallypoint.plugins import PluginManager
 from rallypoint.registry import RENDEZVOUS_BACKENDS
 from rallypoint.rendezvous.factory import connect
-from rallypoint.rendezvous.protocol import Keys, Settings, current_generation, inspect_run
+from rallypoint.rendezvous.generations import current_generation, inspect_run
+from rallypoint.rendezvous.keys import Keys
+from rallypoint.rendezvous.settings import Settings
 from rallypoint.rendezvous.status import read_status
 
 
@@ -108,7 +110,7 @@ def register(app: typer.Typer, pm: PluginManager) -> None:
                 )
             current = current_generation(store, keys)
             sample = settings.heartbeat_timeout
-            gone, _ = inspect_run(store, current, lambda s, key: s.alive(key, sample))
+            gone, _ = inspect_run(store, current, sample)
             has_records = store.get(current.state()) is not None or (
                 store.get(current.of_round(0, "joined")) is not None
             )

@@ -211,6 +211,11 @@ class RendezvousRequest:
         node_rank, master_addr, master_port: torchrun's static-rendezvous flags.
         viewer: ``True`` for a read-only look (``rallypoint rendezvous status``): connect to
             the store, but never host, create or change anything.
+        offer: what this node offers the others in each round (where its agent serves
+            memory checkpoints, which steps it holds), or None; a handler that carries
+            offers puts them in ``Assignment.offers``.
+        pace: this node's workers' CPU seconds per step (None until measured), when
+            ``--straggler-factor`` is on; a handler that shares paces answers ``paces()``.
     """
 
     run_id: str
@@ -225,6 +230,8 @@ class RendezvousRequest:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
     viewer: bool = False
+    offer: Callable[[], Mapping[str, str]] | None = None
+    pace: Callable[[], float | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ class CoordinationStore(Protocol):
         """``add(key, amount)`` and ``get(other)``, in one request where the service
         allows (an etcd transaction, a Redis script): every node joins a round this way,
         taking its join number and reading the job's round at once. ``add`` then ``get``
-        is a correct implementation; a store without this method gets just that."""
+        is a correct implementation."""
         ...
 
     def get(self, key: str) -> bytes | None:
@@ -81,7 +81,7 @@ class CoordinationStore(Protocol):
         after ``timeout`` s. Every node reads the round's record this way once the leader
         has written it: a store whose notification carries the value (an etcd watch
         event, a Redis message) answers without another request. ``wait`` then ``get``
-        is a correct implementation; a store without this method gets just that."""
+        is a correct implementation."""
         ...
 
     def keep_alive(self, key: str, ttl: float) -> None:
@@ -115,6 +115,14 @@ class CoordinationStore(Protocol):
         ...
 
 
+class RendezvousTimeout(RallypointError):
+    """Not enough nodes joined in time; the message says which round and which timeout."""
+
+
+class RendezvousFailed(RallypointError):
+    """The round could not form, or another node failed the job; the message says why."""
+
+
 # --- a rendezvous of a backend's own --------------------------------------------------------
 
 
@@ -142,7 +150,23 @@ class Assignment:
 
 
 class RendezvousHandler(Protocol):
-    """A rendezvous as the agent drives it."""
+    """A rendezvous as the agent drives it: what a backend's ``create_handler`` returns.
+
+    The first five methods are required. ``gone``, ``fail`` and ``paces`` have defaults
+    here (a handler that knows nothing of them): inherit from this class to get them,
+    and override those your rendezvous can answer. The agent calls every method directly;
+    what a handler needs from the agent (a node's offer, its pace) comes in the
+    ``RendezvousRequest``.
+
+    Example::
+
+        class MyRendezvous(RendezvousHandler):
+            def next_round(self) -> Assignment: ...
+            def nodes_waiting(self) -> int: ...
+            def request_new_round(self) -> None: ...
+            def exit_barrier(self, timeout: float) -> None: ...
+            def close(self) -> None: ...
+    """
 
     def next_round(self) -> Assignment:
         """Join the next round and block until it completes; raise on timeout or close."""
@@ -163,6 +187,23 @@ class RendezvousHandler(Protocol):
     def close(self) -> None:
         """Leave the rendezvous and release what the handler holds (ports, connections)."""
         ...
+
+    def gone(self, node_ids: Sequence[str]) -> list[str]:
+        """Those of ``node_ids`` (the last round's members) that did not come back to the
+        round this node last waited in: the agent names them when a round cannot form.
+        Default: none known."""
+        return []
+
+    def fail(self, reason: str) -> None:
+        """This node's restart policy gave up: make every node of the job stop, for
+        ``reason``. Default: nothing (the others see this node leave)."""
+        return None
+
+    def paces(self) -> dict[str, float]:
+        """The current round's members' paces (node id -> workers' CPU seconds per step)
+        when the request carried a ``pace``; the agent names stragglers from them.
+        Default: none."""
+        return {}
 
 
 # --- checkpoint storage -------------------------------------------------------------------

@@ -37,7 +37,9 @@ from rallypoint.interfaces import Assignment, CoordinationStore, StoreError
 from rallypoint.plugins import get_plugin_manager
 from rallypoint.registry import RANK_ASSIGNERS, RENDEZVOUS_BACKENDS
 from rallypoint.rendezvous import records
-from rallypoint.rendezvous.protocol import Keys, Settings, StoreRendezvous
+from rallypoint.rendezvous.keys import Keys
+from rallypoint.rendezvous.protocol import StoreRendezvous
+from rallypoint.rendezvous.settings import Settings
 from servers import free_port
 
 #: The run id of the examples that need no store.
@@ -332,7 +334,7 @@ def test_a_bad_joiner_record_is_left_out_with_a_warning(
 
     caplog.set_level(logging.WARNING, "rallypoint.rendezvous")
     began = time.monotonic()
-    threads = [threading.Thread(target=join, args=(n.node.node_id, n)) for n in (a, b)]
+    threads = [threading.Thread(target=join, args=(n.state.node_id, n)) for n in (a, b)]
     threads[0].start()
     until(lambda: raw.add(keys.of_round(0, "joined"), 0) >= 1, "node a never joined")
     assert raw.add(keys.of_round(0, "joined"), 2) == 3

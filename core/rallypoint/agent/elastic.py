@@ -28,6 +28,7 @@ import socket
 import tempfile
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
@@ -59,11 +60,15 @@ from rallypoint.config import LaunchConfig
 from rallypoint.errors import RallypointError
 from rallypoint.events import RoundInfo, RunInfo
 from rallypoint.extensions import NodeSpec, RestartDecision, RestartRequest, SinkContext
-from rallypoint.interfaces import Assignment, RendezvousHandler
+from rallypoint.interfaces import (
+    Assignment,
+    RendezvousFailed,
+    RendezvousHandler,
+    RendezvousTimeout,
+)
 from rallypoint.plugins import PluginManager
 from rallypoint.registry import METRICS_SINKS, RESTART_POLICIES, describe, plugin_failure
 from rallypoint.rendezvous.endpoints import node_address
-from rallypoint.rendezvous.protocol import RendezvousFailed, RendezvousTimeout
 from rallypoint.worker.channel import Receiver
 from rallypoint.worker.errors import error_record
 
@@ -100,8 +105,14 @@ class Agent:
         self.node_id = f"{hostname}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
         self.run = RunInfo(config.rdzv_id, self.node_id, hostname, config.role)
         host = node_address(config.local_addr, config.max_nodes)
+        self.pace = Pace()
+        # First, so that a rendezvous that cannot start leaves nothing behind; it takes
+        # what this node offers each round (its memory checkpoints), and its pace.
         self.handler: RendezvousHandler = create_handler(
-            config, NodeSpec(self.node_id, host=host, labels=config.node_labels)
+            config,
+            NodeSpec(self.node_id, host=host, labels=config.node_labels),
+            offer=self._offer if config.checkpoint_memory else None,
+            pace=self.pace.seconds if config.straggler_factor else None,
         )
         self.run_dir, self._temporary_run_dir = _run_directory(config)
         self.metrics_dir: Path | None = None  # set by _create_sinks when a sink wants it
@@ -111,16 +122,11 @@ class Agent:
         self.memory: NodeMemory | None = None
         if config.checkpoint_memory:
             self.memory = NodeMemory(config, host, self.bus.emit)
-            if hasattr(self.handler, "offer"):  # the protocol's: the round carries offers
-                self.handler.offer = self.memory.offer
         # Workers report checkpoint saves and loads here; they reach the bus like ours.
         # Their heartbeats (the step reached) go to progress, and on to the watchdog.
         self.progress = Progress(None if self.watchdog is None else self.watchdog.beat)
-        self.pace = Pace()
         self._stragglers: tuple[str, ...] = ()  # the nodes found slow in this attempt
         self._named = False  # whether this node was named a straggler in this attempt
-        if config.straggler_factor and hasattr(self.handler, "pace"):  # the protocol's
-            self.handler.pace = self.pace.seconds
         self._worker_events = Receiver(self._worker_event, heartbeat=self.progress.beat)
         self._kept: Keeper | None = None  # started with the first rendezvous: see _keeper
         self.warm = WarmStart(config, lambda: self.signalled is not None)
@@ -356,11 +362,14 @@ class Agent:
         if len(before) != len(now):
             self.bus.emit(events.SCALE_CHANGED, old_nodes=len(before), new_nodes=len(now))
 
+    def _offer(self) -> Mapping[str, str]:
+        """What this node offers each round it joins: where its memory checkpoints are."""
+        return self.memory.offer() if self.memory is not None else {}
+
     def _report_lost(self, failure: Failure, error: RendezvousTimeout) -> None:
         """The workers failed, and the next round could not form: nodes of the round were
         lost, too many to go on. The report says so, before the gloo error it caused."""
-        gone = getattr(self.handler, "gone", None)
-        lost = tuple(gone(failure.members)) if gone is not None else ()
+        lost = tuple(self.handler.gone(failure.members))
         report = replace(failure.report, lost_nodes=lost)
         self._report(report, f"the next round could not form: {error}")
 
@@ -559,10 +568,9 @@ class Agent:
         self.bus.emit(events.PROGRESS, **data)
         self.pace.sample(group.pids, data["step"])
         factor = self.config.straggler_factor
-        paces = getattr(self.handler, "paces", None)
-        if not factor or paces is None or final:
+        if not factor or final:
             return
-        found = stragglers({**paces(), **self._own_pace()}, factor)
+        found = stragglers({**self.handler.paces(), **self._own_pace()}, factor)
         self._stragglers = tuple(sorted(found))
         mine = found.get(self.node_id)
         if mine is not None and not self._named:
@@ -693,9 +701,8 @@ class Agent:
         job's other nodes stop too, and return the agent's exit code and reason."""
         root = _root(failure.report)
         self._report(failure.report, reason)
-        fail = getattr(self.handler, "fail", None)
-        if fail is not None and self.config.max_nodes > 1:
-            fail(f"{root}; {reason}")  # the other nodes stop too
+        if self.config.max_nodes > 1:
+            self.handler.fail(f"{root}; {reason}")  # the other nodes stop too
         return EXIT_WORKER_FAILURE, f"{root}; {reason}"
 
     def _workers_restarted(self, restarts: Restarts, cause: str) -> None:

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from functools import partial
 
 from rallypoint.config import DEFAULT_MASTER_PORT, LaunchConfig
+from rallypoint.errors import UsageError
 from rallypoint.extensions import NodeSpec, RendezvousRequest
 from rallypoint.interfaces import RendezvousHandler
 from rallypoint.registry import replace_registration
 from rallypoint.rendezvous.factory import connect, protocol_handler
 
+Offer = Callable[[], Mapping[str, str]]
+Pace = Callable[[], "float | None"]
 
-def request_for(config: LaunchConfig, node: NodeSpec) -> RendezvousRequest:
-    """What a backend is told about this node's launch."""
+
+def request_for(
+    config: LaunchConfig, node: NodeSpec, offer: Offer | None = None, pace: Pace | None = None
+) -> RendezvousRequest:
+    """What a backend is told about this node's launch (and what its agent provides)."""
     assigner = config.assigner.item
     if assigner.options:  # its --rank-conf values go with every call
         assigner = replace_registration(
@@ -30,10 +37,14 @@ def request_for(config: LaunchConfig, node: NodeSpec) -> RendezvousRequest:
         node_rank=config.node_rank,
         master_addr=config.master_addr,
         master_port=config.master_port,
+        offer=offer,
+        pace=pace,
     )
 
 
-def create_handler(config: LaunchConfig, node: NodeSpec) -> RendezvousHandler:
+def create_handler(
+    config: LaunchConfig, node: NodeSpec, offer: Offer | None = None, pace: Pace | None = None
+) -> RendezvousHandler:
     """The handler that runs ``config``'s rendezvous for this node.
 
     A job of one node meets nobody, whatever the backend (as torchrun, whose default
@@ -41,7 +52,7 @@ def create_handler(config: LaunchConfig, node: NodeSpec) -> RendezvousHandler:
     process's memory. Otherwise the backend gives a whole handler, or a store for the
     protocol.
     """
-    request = request_for(config, node)
+    request = request_for(config, node, offer, pace)
     backend = config.rendezvous.item
     if config.max_nodes == 1:
         from rallypoint.rendezvous.memory import MemoryStore
@@ -51,5 +62,24 @@ def create_handler(config: LaunchConfig, node: NodeSpec) -> RendezvousHandler:
             return protocol_handler(MemoryStore(), request, config.master_addr, port)
         return protocol_handler(MemoryStore(), request, "localhost")
     if backend.create_handler is not None:
-        return backend.create_handler(request)
+        return checked_handler(backend.name, backend.create_handler(request))
     return protocol_handler(connect(backend, request), request)
+
+
+def checked_handler(backend: str, handler: object) -> RendezvousHandler:
+    """A backend's own handler, once checked to have every method the agent calls."""
+    missing = [
+        name
+        for name in (*_REQUIRED, "gone", "fail", "paces")
+        if not callable(getattr(handler, name, None))
+    ]
+    if missing:
+        raise UsageError(
+            f"--rdzv-backend {backend}: its create_handler returned a handler without "
+            f"{', '.join(missing)}; a plugin's handler inherits from "
+            "rallypoint.sdk.RendezvousHandler, which has every method the agent calls."
+        )
+    return handler  # type: ignore[return-value]
+
+
+_REQUIRED = ("next_round", "nodes_waiting", "request_new_round", "exit_barrier", "close")

@@ -17,7 +17,8 @@ def protocol_handler(
 
     The workers' master address is group rank 0's host and a free port it holds, unless
     ``master_addr`` and ``master_port`` fix them."""
-    from rallypoint.rendezvous.protocol import Settings, StoreRendezvous
+    from rallypoint.rendezvous.protocol import StoreRendezvous
+    from rallypoint.rendezvous.settings import Settings
 
     assert request.rank_assigner is not None
     settings = Settings.from_conf(request.min_nodes, request.max_nodes, request.options)
@@ -30,6 +31,8 @@ def protocol_handler(
         settings,
         master_addr=master_addr,
         master_port=master_port,
+        offer=request.offer,
+        pace=request.pace,
     )
 
 

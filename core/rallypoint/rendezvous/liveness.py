@@ -1,4 +1,5 @@
-"""Liveness from a counter, for a coordination store with no expiry of its own (TCPStore).
+"""Liveness: from a counter, for a store with no expiry of its own (TCPStore); and a
+node's own stalls, which keep it from taking the others for dead (``Stalls``).
 
 The store interface is ``rallypoint.interfaces.CoordinationStore``; a backend implements
 its few operations on its service (torch's TCPStore, etcd, Redis) and gets the whole
@@ -9,10 +10,14 @@ implementation, in one process.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
+from collections.abc import Callable
 
 from rallypoint.interfaces import StoreError
+
+logger = logging.getLogger("rallypoint.rendezvous")
 
 #: What ``CounterLiveness.end_liveness`` adds to a counter: far below zero, for good.
 _GONE = -(1 << 62)
@@ -65,3 +70,46 @@ class CounterLiveness:
         """``clone`` shares what this connection saw; what it keeps alive is its own."""
         clone._seen, clone._lock = self._seen, self._lock
         clone._kept = set()
+
+
+class Stalls:
+    """This node's own stalls, and what they mean for taking another node for dead.
+
+    A store call that came back only after more than ``ttl`` means the store was out of
+    reach (frozen, restarting, cut off from this node) or this host stalled. The other
+    nodes may not have been able to renew their liveness meanwhile either: none counts as
+    dead for the next ``ttl`` (the grace), time enough for each to renew it. Both of a
+    node's threads (joining, heartbeat) note stalls: a lock keeps each update whole.
+    """
+
+    def __init__(self, ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl = ttl
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._grace_until = 0.0
+        self._stalled_at = -float("inf")
+
+    def note(self, since: float) -> None:
+        """A store call begun at ``since`` (this clock) has just come back."""
+        now = self.clock()
+        if now - since <= self.ttl:
+            return
+        with self._lock:
+            self._stalled_at = now
+            warn = now >= self._grace_until
+            self._grace_until = max(self._grace_until, now + self.ttl)
+        if warn:
+            logger.warning(
+                "this node could not reach the rendezvous store for %.1f s: no node counts "
+                "as dead for the next %g s (heartbeat_timeout), while each renews its liveness",
+                now - since,
+                self.ttl,
+            )
+
+    def in_grace(self) -> bool:
+        """Whether no node may be taken for dead now (this node has just stalled)."""
+        return self.clock() < self._grace_until
+
+    def stalled_within(self, seconds: float) -> bool:
+        """Whether this node came back from a stall within the last ``seconds``."""
+        return self.clock() - self._stalled_at <= seconds

@@ -10,23 +10,29 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 class _Shared:
     """The data every connection of one ``MemoryStore`` sees."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float]) -> None:
         self.values: dict[str, bytes] = {}
-        self.expiry: dict[str, float] = {}  # keep_alive deadlines (monotonic)
+        self.expiry: dict[str, float] = {}  # keep_alive deadlines (on ``clock``)
         self.changed = threading.Condition()
+        self.clock = clock
 
 
 class MemoryStore:
-    """``CoordinationStore`` in this process's memory, safe to share between threads."""
+    """``CoordinationStore`` in this process's memory, safe to share between threads.
 
-    def __init__(self, shared: _Shared | None = None) -> None:
-        self._shared = shared or _Shared()
+    ``clock`` says when a kept key expires: the simulation
+    (``rallypoint.testing.simulation``) gives its own."""
+
+    def __init__(
+        self, shared: _Shared | None = None, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._shared = shared or _Shared(clock)
         self._kept: set[str] = set()  # the keys this connection kept alive
 
     def add(self, key: str, amount: int) -> int:
@@ -76,12 +82,12 @@ class MemoryStore:
 
     def keep_alive(self, key: str, ttl: float) -> None:
         with self._shared.changed:
-            self._shared.expiry[key] = time.monotonic() + ttl
+            self._shared.expiry[key] = self._shared.clock() + ttl
             self._kept.add(key)
 
     def alive(self, key: str, ttl: float) -> bool:
         with self._shared.changed:
-            return self._shared.expiry.get(key, 0.0) >= time.monotonic()
+            return self._shared.expiry.get(key, -float("inf")) >= self._shared.clock()
 
     def delete_prefix(self, prefix: str) -> int:
         with self._shared.changed:

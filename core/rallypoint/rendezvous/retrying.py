@@ -19,37 +19,53 @@ logger = logging.getLogger("rallypoint.rendezvous")
 T = TypeVar("T")
 
 
+class Backoff:
+    """When to try an unreachable store again: after 0.1 s, doubling to 2 s, for
+    ``retry_timeout`` seconds in all. Time is given, so the simulation's clock drives it
+    as the real one does."""
+
+    def __init__(self, retry_timeout: float) -> None:
+        self.retry_timeout = retry_timeout
+        self.began: float | None = None
+        self._delay = 0.1
+
+    def failed(self, now: float, error: StoreError) -> float:
+        """The seconds to wait before the next try; ``StoreError`` when time is up."""
+        if self.began is None:
+            self.began = now
+            logger.warning("rendezvous store unreachable (%s); retrying", error)
+        if now - self.began >= self.retry_timeout - 0.001:  # a last wait of < 1 ms: none
+            raise StoreError(
+                f"{error}; still unreachable after retry_timeout={self.retry_timeout:g} s"
+            ) from None
+        delay = min(self._delay, self.retry_timeout - (now - self.began))
+        self._delay = min(self._delay * 2, 2.0)
+        return delay
+
+    def succeeded(self, now: float) -> None:
+        if self.began is not None:
+            logger.info("rendezvous store reachable again after %.1f s", now - self.began)
+            self.began, self._delay = None, 0.1
+
+
 class RetryingStore:
     """A store whose operations ride out an outage: ``StoreUnavailable`` is retried with
-    exponential backoff (0.1 s doubling to 2 s) for ``retry_timeout`` seconds, then it
-    becomes a ``StoreError`` that says how long the store was unreachable."""
+    exponential backoff (``Backoff``) for ``retry_timeout`` seconds, then it becomes a
+    ``StoreError`` that says how long the store was unreachable."""
 
     def __init__(self, store: CoordinationStore, retry_timeout: float) -> None:
         self.store = store
         self.retry_timeout = retry_timeout
 
     def _retry(self, operation: Callable[[], T]) -> T:
-        began: float | None = None
-        delay = 0.1
+        backoff = Backoff(self.retry_timeout)
         while True:
             try:
                 result = operation()
             except StoreUnavailable as error:
-                now = time.monotonic()
-                if began is None:
-                    began = now
-                    logger.warning("rendezvous store unreachable (%s); retrying", error)
-                if now - began >= self.retry_timeout:
-                    raise StoreError(
-                        f"{error}; still unreachable after retry_timeout={self.retry_timeout:g} s"
-                    ) from None
-                time.sleep(min(delay, self.retry_timeout - (now - began)))
-                delay = min(delay * 2, 2.0)
+                time.sleep(backoff.failed(time.monotonic(), error))
                 continue
-            if began is not None:
-                logger.info(
-                    "rendezvous store reachable again after %.1f s", time.monotonic() - began
-                )
+            backoff.succeeded(time.monotonic())
             return result
 
     def add(self, key: str, amount: int) -> int:
@@ -59,11 +75,7 @@ class RetryingStore:
         return self._retry(lambda: self.store.get(key))
 
     def add_and_get(self, key: str, amount: int, other: str) -> tuple[int, bytes | None]:
-        store = self.store
-        both = getattr(store, "add_and_get", None)
-        if both is not None:
-            return self._retry(lambda: both(key, amount, other))  # type: ignore[no-any-return]
-        return self.add(key, amount), self.get(other)
+        return self._retry(lambda: self.store.add_and_get(key, amount, other))
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         return self._retry(lambda: self.store.get_many(keys))
@@ -80,16 +92,9 @@ class RetryingStore:
 
     def wait_value(self, key: str, timeout: float) -> bytes | None:
         deadline = time.monotonic() + timeout
-        store = self.store
-        wait_value = getattr(store, "wait_value", None)  # a store written before it had it
-
-        def once() -> bytes | None:
-            left = max(0.0, deadline - time.monotonic())
-            if wait_value is not None:
-                return wait_value(key, left)  # type: ignore[no-any-return]
-            return store.get(key) if store.wait([key], left) else None
-
-        return self._retry(once)
+        return self._retry(
+            lambda: self.store.wait_value(key, max(0.0, deadline - time.monotonic()))
+        )
 
     def keep_alive(self, key: str, ttl: float) -> None:
         self._retry(lambda: self.store.keep_alive(key, ttl))

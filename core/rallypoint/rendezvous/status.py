@@ -7,8 +7,9 @@ from typing import Any
 
 from rallypoint.interfaces import CoordinationStore
 from rallypoint.rendezvous import records
+from rallypoint.rendezvous.generations import current_generation, inspect_run
+from rallypoint.rendezvous.keys import Keys
 from rallypoint.rendezvous.liveness import CounterLiveness
-from rallypoint.rendezvous.protocol import Keys, current_generation, inspect_run
 
 
 def read_status(
@@ -42,7 +43,7 @@ def read_status(
     alive = _alive(store, keys, members, sample)
     joined_now = store.add(keys.of_round(round_, "joined"), 0)
     forming = raw_closed is None or (record is not None and record.round != round_)
-    gone, _ = inspect_run(store, keys, lambda s, key: s.alive(key, sample))
+    gone, _ = inspect_run(store, keys, sample)
     failed = store.get(keys.failed()) is not None or bool(
         record is not None and record.error and record.round == round_
     )

@@ -37,9 +37,10 @@ import pytest
 
 from rallypoint.builtins.rank_assigners import ordered
 from rallypoint.extensions import NodeSpec, RankAssigner
-from rallypoint.interfaces import Assignment, CoordinationStore, StoreError
-from rallypoint.rendezvous.protocol import RendezvousTimeout, Settings, StoreRendezvous
+from rallypoint.interfaces import Assignment, CoordinationStore, RendezvousTimeout, StoreError
+from rallypoint.rendezvous.protocol import StoreRendezvous
 from rallypoint.rendezvous.retrying import RetryingStore
+from rallypoint.rendezvous.settings import Settings
 
 Connect = Callable[[], CoordinationStore]
 Outage = Callable[[float], None]
@@ -389,7 +390,7 @@ class StoreConformance:
 
     def test_a_late_node_ends_the_round_when_there_is_room(self, connect: Connect) -> None:
         from rallypoint.rendezvous import records
-        from rallypoint.rendezvous.protocol import Keys
+        from rallypoint.rendezvous.keys import Keys
 
         run_id = uuid.uuid4().hex
         state = Keys("/rallypoint", run_id).state()
@@ -411,7 +412,7 @@ class StoreConformance:
             reader.close()
 
     def test_a_new_node_joins_the_round_the_job_is_in(self, connect: Connect) -> None:
-        from rallypoint.rendezvous.protocol import Keys
+        from rallypoint.rendezvous.keys import Keys
 
         run_id = uuid.uuid4().hex
         keys = Keys("/rallypoint", run_id)
@@ -495,7 +496,7 @@ class StoreConformance:
         self, connect: Connect
     ) -> None:
         from rallypoint.rendezvous import records
-        from rallypoint.rendezvous.protocol import Keys
+        from rallypoint.rendezvous.keys import Keys
 
         run_id = uuid.uuid4().hex
         keys = Keys("/rallypoint", run_id)
@@ -521,7 +522,7 @@ class StoreConformance:
         assert took < 15, f"the dead leader held the round up for {took:.1f} s"
 
     def test_a_job_that_finished_cleanly_leaves_no_key(self, connect: Connect) -> None:
-        from rallypoint.rendezvous.protocol import Keys
+        from rallypoint.rendezvous.keys import Keys
 
         run_id = uuid.uuid4().hex
         nodes = [self._node(connect, run_id, f"n{i}", 2, 2) for i in range(2)]
@@ -542,7 +543,7 @@ class StoreConformance:
             reader.close()
 
     def test_a_job_that_did_not_finish_keeps_its_keys(self, connect: Connect) -> None:
-        from rallypoint.rendezvous.protocol import Keys
+        from rallypoint.rendezvous.keys import Keys
 
         run_id = uuid.uuid4().hex
         nodes = [self._node(connect, run_id, f"n{i}", 2, 2) for i in range(2)]

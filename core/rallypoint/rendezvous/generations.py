@@ -1,0 +1,133 @@
+"""A run id used again: the generations of a run.
+
+A scheduler that restarts a job (a Kubernetes Job, a Slurm requeue, a user running the
+command again) starts new agents under the same run id. If no agent of the run's current
+generation is alive (no live lease, key or heartbeat), its records are of a run that
+failed or was killed: counting them would make the new agents wait for dead nodes. The
+run id then starts afresh in the next generation (one compare-and-set, so that every new
+agent lands in the same one), and the dead generation's keys are deleted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+
+from rallypoint.errors import UsageError
+from rallypoint.interfaces import CoordinationStore, StoreError
+from rallypoint.rendezvous import calls, records
+from rallypoint.rendezvous.calls import Steps
+from rallypoint.rendezvous.keys import Keys
+
+logger = logging.getLogger("rallypoint.rendezvous")
+
+#: How many of a dead run's join records a new node reads to be sure none of them lives.
+MOST_CHECKED = 100_000
+#: How many rounds back a new node looks for the run's newest closed round.
+CLOSED_LOOKBACK = 16
+
+#: Whether a heartbeat key is kept (``CoordinationStore.alive`` with the run's ttl, or a
+#: node's view of it that allows for its own stalls).
+Alive = Callable[[str], Steps[bool]]
+
+
+def current(keys: Keys) -> Steps[Keys]:
+    """The run's keys in its current generation."""
+    raw = yield from calls.get(keys.generation_key)
+    return keys.at(records.decode_int(keys.generation_key, raw) if raw else 0)
+
+
+def settle(keys: Keys, alive: Alive, nnodes: str = "") -> Steps[Keys]:
+    """The keys a node joining the run for the first time uses: the current generation's,
+    or the next one's if no agent of the current one is alive (this node then starts it).
+
+    A run with a live agent is joined as before, unless its agents were started with
+    another ``--nnodes`` (``nnodes``, "MIN:MAX"): that is a job started by mistake under a
+    live run's id, refused in one sentence.
+    """
+    while True:
+        raw = yield from calls.get(keys.generation_key)
+        now = keys.at(records.decode_int(keys.generation_key, raw) if raw else 0)
+        gone, theirs = yield from inspect(now, alive)
+        if gone is None:
+            if (yield from calls.get(keys.generation_key)) != raw:
+                continue  # another node started the next generation while this one read it
+            if nnodes and theirs and theirs != nnodes:
+                raise UsageError(
+                    f"--rdzv-id {keys.run_id!r} is the id of a running job of --nnodes "
+                    f"{theirs}, and this agent has --nnodes {nnodes}: give this job its own "
+                    "--rdzv-id, or stop that one first."
+                )
+            return now
+        following = records.encode_int(now.generation + 1)
+        if (yield from calls.compare_set(keys.generation_key, raw, following)) == following:
+            logger.info(
+                "run %s: no agent of its last attempt is alive (%s): starting it afresh",
+                keys.run_id,
+                gone,
+            )
+            yield from calls.delete_prefix(now.root)
+
+
+def inspect(keys: Keys, alive: Alive) -> Steps[tuple[str | None, str]]:
+    """Whether the run at ``keys`` was abandoned: how it was left when none of its agents
+    (the members of its newest closed round, the joiners of the round it is in) is alive,
+    else None (no records, or an agent of it lives, or may: a join number still without
+    its record is a node writing it); and its ``--nnodes`` where a record says. A live run
+    answers in a few reads: its first joiner is usually alive."""
+    state = yield from calls.get(keys.state())
+    round_ = records.decode_state(keys.state(), state)
+    first = keys.of_round(round_, "node", 1)
+    leader = node_or_none(first, (yield from calls.get(first)))
+    nnodes = leader.nnodes if leader else ""
+    if leader is None and round_ == 0:
+        return None, nnodes  # a new run, or one whose first joiner is writing its record
+    if leader is not None and (yield from alive(keys.heartbeat(leader.node_id))):
+        return None, nnodes
+    candidates = [leader.node_id] if leader else []
+    # The newest closed round's members: rounds that failed to form (a leader died) leave
+    # no record, so look back a few, in one read.
+    back = list(range(round_, max(-1, round_ - CLOSED_LOOKBACK), -1))
+    closed = [keys.of_round(r, "closed") for r in back]
+    for key, raw in zip(closed, (yield from calls.get_many(closed)), strict=True):
+        if raw:
+            with contextlib.suppress(StoreError):
+                candidates += records.decode_round(key, raw).node_ids
+            break
+    joined = min((yield from calls.add(keys.of_round(round_, "joined"), 0)), MOST_CHECKED)
+    numbers = [keys.of_round(round_, "node", i) for i in range(1, joined + 1)]
+    for key, raw in zip(numbers, (yield from calls.get_many(numbers)), strict=True):
+        if raw is None:
+            return None, nnodes  # taken, not yet recorded: a node is joining right now
+        node = node_or_none(key, raw)
+        if node is not None:
+            candidates.append(node.node_id)
+            nnodes = nnodes or node.nnodes
+    for node_id in dict.fromkeys(candidates):
+        if (yield from alive(keys.heartbeat(node_id))):
+            return None, nnodes
+    return f"round {round_}, {len(set(candidates))} nodes, none with a heartbeat", nnodes
+
+
+def node_or_none(key: str, raw: bytes | None) -> records.NodeRecord | None:
+    """A joiner's record, or None for an absent, void (empty) or unreadable one."""
+    if not raw:
+        return None
+    try:
+        return records.decode_node(key, raw)
+    except StoreError:
+        return None
+
+
+# --- for callers outside the protocol (status, the CLI): one store, this thread ---------
+
+
+def current_generation(store: CoordinationStore, keys: Keys) -> Keys:
+    """``current``, read from ``store``."""
+    return calls.drive(current(keys), store)
+
+
+def inspect_run(store: CoordinationStore, keys: Keys, ttl: float) -> tuple[str | None, str]:
+    """``inspect``, read from ``store``, a node alive when it renewed within ``ttl``."""
+    return calls.drive(inspect(keys, lambda key: calls.alive(key, ttl)), store)

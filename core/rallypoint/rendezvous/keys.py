@@ -1,0 +1,36 @@
+"""Where a run keeps what in the coordination store (the layout is in ``protocol``)."""
+
+from __future__ import annotations
+
+
+class Keys:
+    """Where a run keeps what, under ``<prefix>/<run id>/`` (generation 0), or
+    ``<prefix>/<run id>~<generation>/`` once the run id was started afresh after every
+    agent of it had gone (``~`` is in no run id, so no other job's keys look alike)."""
+
+    def __init__(self, prefix: str, run_id: str, generation: int = 0) -> None:
+        self.prefix = prefix
+        self.run_id = run_id  # written into every node and round record
+        base = f"{prefix.rstrip('/')}/{run_id}"
+        self.generation = generation
+        self.root = f"{base}/" if generation == 0 else f"{base}~{generation}/"
+        #: The run's current generation (absent: 0), outside every generation's keys.
+        self.generation_key = f"{base}~generation"
+        #: Every key of the run, all generations, starts with one of these.
+        self.prefixes = (f"{base}/", f"{base}~")
+
+    def at(self, generation: int) -> Keys:
+        """The same run's keys in ``generation``."""
+        return Keys(self.prefix, self.run_id, generation)
+
+    def state(self) -> str:
+        return self.root + "state"
+
+    def failed(self) -> str:
+        return self.root + "failed"
+
+    def of_round(self, round_: int, *parts: object) -> str:
+        return self.root + "/".join(str(p) for p in (round_, *parts))
+
+    def heartbeat(self, node_id: str) -> str:
+        return self.root + f"hb/{node_id}"

@@ -1,0 +1,172 @@
+"""Real defects of the rendezvous protocol, put back one at a time: each is caught by the
+deterministic simulation (``rallypoint.testing.simulation``), at the seed given. Most are
+races the simulation found in the protocol as it was, and that were fixed (the seed that
+found each then is in its note; the schedules have changed since).
+
+A mutant is a text edit of one protocol module: the edited module is executed apart, and
+its functions (module-level, and the methods of its classes) replace the real ones for
+the length of a test.
+
+    python tests/simulation_mutants.py 3000   # the first seed that catches each (make soak)
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import FunctionType, ModuleType
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    module: str
+    edits: tuple[tuple[str, str], ...]  # (text, replacement), each found once
+    defect: str
+    caught_at: int  # the first seed, counting from 0, whose schedule catches it
+
+
+MUTANTS = (
+    Mutant(
+        "generation-never-reread",
+        "rallypoint.rendezvous.joining",
+        (
+            (
+                "    if not stalled and view.round is not None:\n        return None",
+                "    if True:\n        return None",
+            ),
+        ),
+        "a node trusts its generation without re-reading it: left in a run that was "
+        "started afresh, it waits there for good",
+        21,
+    ),
+    Mutant(
+        "frozen-node-alive",
+        "rallypoint.rendezvous.liveness",
+        (("        return self.clock() < self._grace_until", "        return True"),),
+        "a node that stopped renewing its liveness (frozen, killed) still counts as alive",
+        1,
+    ),
+    Mutant(
+        "waiting-round-leader-ends-the-job-s-round",
+        "rallypoint.rendezvous.joining",
+        (("            if round_ > (yield from job_round(keys)):", "            if False:"),),
+        "the leader of a round the job has yet to reach dies; a node waiting there ends "
+        "it as though the job were in it (seed 241: a second job beside the running one)",
+        36,
+    ),
+    Mutant(
+        "min-counted-by-join-number",
+        "rallypoint.rendezvous.joining",
+        (("            if recorded or count >= target or short:", "            if recorded:"),),
+        "the leader waits for join number MIN's record, which a join retried after a lost "
+        "reply never writes (seed 325): the round waits until join_timeout",
+        9,
+    ),
+    Mutant(
+        "leaderless-round-waited-for",
+        "rallypoint.rendezvous.joining",
+        (
+            (
+                "                if node.clock() - waiting_since < s.close_timeout:",
+                "                if True:",
+            ),
+        ),
+        "join number 1 is never recorded (a lost reply, seed 95): the others wait for a "
+        "leader that does not exist",
+        9,
+    ),
+    Mutant(
+        "heartbeat-failure-ignored-while-joining",
+        "rallypoint.rendezvous.joining",
+        (
+            (
+                "        if self.node.heartbeat_failed is not None:\n"
+                "            raise self.node.heartbeat_failed",
+                "        pass",
+            ),
+        ),
+        "the heartbeat gave up on the store while the node joined: it joins on, no longer "
+        "kept alive, into a run the others started afresh (seed 1221)",
+        1221,
+    ),
+    Mutant(
+        "last-call-left-out",
+        "rallypoint.rendezvous.joining",
+        (
+            (
+                '            yield from calls.wait([keys.of_round(round_, "node", s.max_nodes)], '
+                "s.last_call_timeout)",
+                "            pass",
+            ),
+        ),
+        "a new job's round closes as soon as MIN are in, without its last call",
+        8,
+    ),
+)
+
+
+@contextmanager
+def applied(mutant: Mutant) -> Iterator[None]:
+    """The protocol with ``mutant``'s edit, until the block ends."""
+    module = importlib.import_module(mutant.module)
+    source = inspect.getsource(module)
+    for old, new in mutant.edits:
+        if source.count(old) != 1:
+            raise AssertionError(f"mutant {mutant.name}: {old!r} is not once in {mutant.module}")
+        source = source.replace(old, new)
+    edited = ModuleType(module.__name__)
+    edited.__file__ = module.__file__
+    exec(compile(source, module.__file__ or "", "exec"), edited.__dict__)
+    undo: list[tuple[object, str, object]] = []
+    for name, value in vars(module).items():
+        new = getattr(edited, name, None)
+        if isinstance(value, FunctionType) and isinstance(new, FunctionType):
+            undo.append((module, name, value))
+            setattr(module, name, new)
+        elif (
+            isinstance(value, type)
+            and isinstance(new, type)
+            and value.__module__ == module.__name__
+        ):
+            for attr, member in vars(value).items():
+                if isinstance(member, (FunctionType, property)) and attr in vars(new):
+                    undo.append((value, attr, member))
+                    setattr(value, attr, vars(new)[attr])
+    try:
+        yield
+    finally:
+        for owner, name, value in reversed(undo):
+            setattr(owner, name, value)
+
+
+def first_caught(mutant: Mutant, seeds: range) -> int | None:
+    """The first of ``seeds`` whose schedule breaks an invariant with ``mutant`` applied."""
+    from rallypoint.testing.simulation import run_seed
+
+    with applied(mutant):
+        for seed in seeds:
+            if run_seed(seed).error is not None:
+                return seed
+    return None
+
+
+def main(seeds: int) -> int:
+    logging.disable(logging.CRITICAL)  # a mutant's warnings are what it is for
+    missed = 0
+    for mutant in MUTANTS:
+        seed = first_caught(mutant, range(seeds))
+        missed += seed is None
+        print(
+            f"{mutant.name}: first caught at seed {seed} (of {seeds}; recorded: {mutant.caught_at})"
+        )
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1]) if len(sys.argv) > 1 else 3000))
