@@ -19,18 +19,17 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from rallypoint.interfaces import CoordinationStore
 
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class Call:
+class Call(NamedTuple):
     """One store operation (a ``CoordinationStore`` method and its arguments), or
-    ``pause``: wait ``args[0]`` seconds, or until the node's wake-up."""
+    ``pause``: wait ``args[0]`` seconds, or until the node's wake-up. A named tuple: a
+    thousand nodes make one for every store call."""
 
     method: str
     args: tuple[Any, ...]

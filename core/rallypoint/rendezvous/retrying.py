@@ -58,7 +58,11 @@ class RetryingStore:
         self.retry_timeout = retry_timeout
 
     def _retry(self, operation: Callable[[], T]) -> T:
-        backoff = Backoff(self.retry_timeout)
+        try:
+            return operation()  # the usual case, at no cost
+        except StoreUnavailable as error:
+            backoff = Backoff(self.retry_timeout)
+            time.sleep(backoff.failed(time.monotonic(), error))
         while True:
             try:
                 result = operation()
