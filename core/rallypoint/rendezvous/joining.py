@@ -205,14 +205,17 @@ class Joining:
             node, reason = "?", raw.decode("utf-8", "replace")[:200]
         raise RendezvousFailed(f"the job failed on node {node}: {reason}")
 
-    def ended(self, round_: int) -> Steps[bool]:
-        """Whether the job has moved past ``round_`` (one read of the state), or the run
-        was started afresh without this node (one more read, after this node stalled).
-        Raises the heartbeat's error if it stopped: the others will take this node for
-        gone, and whatever it waits for will not come."""
+    def ended(self, round_: int, state: int | None = None) -> Steps[bool]:
+        """Whether the job has moved past ``round_`` (one read of the state, unless the
+        caller has just read it: ``state``), or the run was started afresh without this
+        node (one more read, after this node stalled). Raises the heartbeat's error if it
+        stopped: the others will take this node for gone, and whatever it waits for will
+        not come."""
         if self.node.heartbeat_failed is not None:
             raise self.node.heartbeat_failed
-        if (yield from job_round(self.keys)) > round_:
+        if state is None:
+            state = yield from job_round(self.keys)
+        if state > round_:
             return True
         return (yield from newer_generation(self.node)) is not None
 
@@ -350,9 +353,7 @@ class Joining:
         s, keys = self.settings, self.keys
         before = yield from self._previous(round_)
         running = before.node_ids if before is not None else ()
-        if round_ > 0 and not (
-            yield from self._wait_leading(round_, keys.of_round(round_, "open"), deadline, running)
-        ):
+        if round_ > 0 and not (yield from self._wait_open(round_, deadline, running)):
             raise RendezvousTimeout(
                 f"rendezvous round {round_}: the job kept running with its {s.max_nodes} nodes "
                 f"(the maximum) for join_timeout={s.join_timeout:g} s; this node was not needed"
@@ -415,12 +416,13 @@ class Joining:
             count = yield from calls.add(keys.of_round(round_, "joined"), 0)
             if recorded or count >= target or short:
                 # From number 1 again: a number found without a record may have one now
-                # (its node was slow to write it, frozen say).
-                nodes, read = yield from self._gather(round_, [], 0, max(target, count))
+                # (its node was slow to write it, frozen say). Only numbers taken: a
+                # recorded target is one of them.
+                nodes, read = yield from self._gather(round_, [], 0, count)
                 if len(nodes) >= s.min_nodes:
                     return nodes, read
                 short = True
-                target = max(target, count) + s.min_nodes - len(nodes)
+                target = count + s.min_nodes - len(nodes)
             if left <= slice_:
                 raise RendezvousTimeout(
                     f"rendezvous round {round_}: fewer than {s.min_nodes} nodes joined within "
@@ -445,30 +447,30 @@ class Joining:
             read = upto
         return nodes, read
 
-    def _wait_leading(
-        self, round_: int, key: str, deadline: float, running: tuple[str, ...] = ()
-    ) -> Steps[bool]:
-        """As the leader of ``round_``: wait for ``key`` until ``deadline``, and give the
-        round up (``LeaderLost``) if the others ended it meanwhile, taking this node for
-        dead (it could not reach the store for longer than heartbeat_timeout).
+    def _wait_open(self, round_: int, deadline: float, running: tuple[str, ...]) -> Steps[bool]:
+        """As the leader of ``round_``, a round after the job's first: wait until it opens
+        (``False`` at ``deadline``), and give it up (``LeaderLost``) if the others ended it
+        meanwhile, taking this node for dead (it could not reach the store for longer than
+        heartbeat_timeout).
 
         ``running``: the members of the full round this one waits to follow; when none
         of them is alive any more (a job whose agents were all killed, run again before
         their liveness lapsed), nobody is left to end that round: this node ends it."""
         node, slice_ = self.node, self.settings.heartbeat_timeout / 3
-        opening = key == self.keys.of_round(round_, "open")
+        key = self.keys.of_round(round_, "open")
         while True:
             left = deadline - node.clock()
             if (yield from calls.wait([key], min(left, slice_))):
                 return True
             if left <= slice_:
                 return False
-            if opening and (yield from job_round(self.keys)) == round_:
+            state = yield from job_round(self.keys)
+            if state == round_:
                 # The job is in this round, but the node that moved it here died before
                 # opening it (two writes): open it, for the members of the last round too.
                 yield from calls.set_(key, b"1")
                 return True
-            if (yield from self.ended(round_)):
+            if (yield from self.ended(round_, state)):
                 raise LeaderLost()
             if running and not (yield from _any_alive(node, running)):
                 logger.info(
@@ -573,7 +575,7 @@ class Joining:
             for node_id in previous.node_ids:
                 if node_id not in joined and (yield from node.alive(node_id, keys)):
                     missing.append(node_id)
-            if survivors_in(previous.node_ids, joined, missing, len(nodes), expected, s):
+            if survivors_in(previous.node_ids, joined, missing, expected, s):
                 return nodes
             slice_ = min(s.heartbeat_timeout / 3, max(0.0, end - node.clock()))
             began = node.clock()
@@ -654,16 +656,17 @@ def survivors_in(
     previous: Sequence[str],
     joined: set[str],
     missing_alive: Sequence[str],
-    joiners: int,
     expected: int,
     s: Settings,
 ) -> bool:
     """Whether a re-formed round may close: no member of the last round that is still
     alive is missing, and as many have joined as the round expects (the survivors back,
-    the newcomers it was opened for; at least MIN, at most MAX)."""
+    the newcomers it was opened for; at least MIN, at most MAX). ``joined``: the node ids
+    of the usable joiners, each once."""
     back = sum(1 for node_id in previous if node_id in joined)
     newcomers = max(0, expected - len(previous))
-    return not missing_alive and joiners >= max(s.min_nodes, min(s.max_nodes, back + newcomers))
+    wanted = max(s.min_nodes, min(s.max_nodes, back + newcomers))
+    return not missing_alive and len(joined) >= wanted
 
 
 def watch_of(record: records.RoundRecord, rank: int) -> Watch | None:

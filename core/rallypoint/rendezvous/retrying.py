@@ -45,7 +45,6 @@ class Backoff:
     def succeeded(self, now: float) -> None:
         if self.began is not None:
             logger.info("rendezvous store reachable again after %.1f s", now - self.began)
-            self.began, self._delay = None, 0.1
 
 
 class RetryingStore:
@@ -58,18 +57,16 @@ class RetryingStore:
         self.retry_timeout = retry_timeout
 
     def _retry(self, operation: Callable[[], T]) -> T:
-        try:
-            return operation()  # the usual case, at no cost
-        except StoreUnavailable as error:
-            backoff = Backoff(self.retry_timeout)
-            time.sleep(backoff.failed(time.monotonic(), error))
+        backoff: Backoff | None = None  # made at the first failure: a success costs nothing
         while True:
             try:
                 result = operation()
             except StoreUnavailable as error:
+                backoff = backoff or Backoff(self.retry_timeout)
                 time.sleep(backoff.failed(time.monotonic(), error))
                 continue
-            backoff.succeeded(time.monotonic())
+            if backoff is not None:
+                backoff.succeeded(time.monotonic())
             return result
 
     def add(self, key: str, amount: int) -> int:
