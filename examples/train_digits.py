@@ -178,7 +178,8 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
             metrics.step_time(took)
             if step % args.log_every == 0:
                 log(f"epoch {epoch:2d}  step {step:4d}  loss {loss.item():.4f}")
-            if store is not None and step % args.save_every == 0:
+            # Every --save-every steps, and when the agent gives notice (a node told to stop).
+            if store is not None and store.should_save(step, every=args.save_every):
                 # Rank 0 writes; the tensors are copied now and written in the background.
                 store.save(training_state(model, optimizer, sampler), step, asynchronous=True)
             time.sleep(max(0.0, args.step_seconds - (time.monotonic() - step_began)))

@@ -82,6 +82,8 @@ def register(app: typer.Typer, pm: PluginManager) -> None:
         if report["error"]:
             typer.echo(f"  the round failed: {report['error']}")
         typer.echo(f"  waiting to join: {report['waiting']}")
+        for node in report["getting_ready"]:
+            typer.echo(f"  getting ready to join: {node['node_id']} ({node['doing']})")
 
     @group.command("clear")
     def clear(

@@ -161,6 +161,15 @@ COMMON_RENDEZVOUS_OPTIONS: tuple[ConfigOption, ...] = (
         exclusive_minimum=True,
     ),
     ConfigOption(
+        "ready_timeout",
+        float,
+        300.0,
+        "seconds a node that comes to a running job may take to get ready (its preloaded "
+        "interpreter up, the newest memory checkpoint fetched) before it gives up",
+        minimum=0,
+        exclusive_minimum=True,
+    ),
+    ConfigOption(
         "retry_timeout",
         float,
         60.0,
@@ -216,6 +225,10 @@ class RendezvousRequest:
             offers puts them in ``Assignment.offers``.
         pace: this node's workers' CPU seconds per step (None until measured), when
             ``--straggler-factor`` is on; a handler that shares paces answers ``paces()``.
+        ready: asked before this node enters a job that is already training, with the
+            running round's offers (by group rank): what the node still does to be able
+            to start workers at once ("importing torch"), or None once it can. A handler
+            that supports it waits, saying so, until None (``ready_timeout``).
     """
 
     run_id: str
@@ -232,6 +245,7 @@ class RendezvousRequest:
     viewer: bool = False
     offer: Callable[[], Mapping[str, str]] | None = None
     pace: Callable[[], float | None] | None = None
+    ready: Callable[[Sequence[Mapping[str, str]]], str | None] | None = None
 
 
 @dataclass(frozen=True)

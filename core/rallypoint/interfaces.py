@@ -152,8 +152,8 @@ class Assignment:
 class RendezvousHandler(Protocol):
     """A rendezvous as the agent drives it: what a backend's ``create_handler`` returns.
 
-    The first five methods are required. ``gone``, ``fail`` and ``paces`` have defaults
-    here (a handler that knows nothing of them): inherit from this class to get them,
+    The first five methods are required. ``gone``, ``fail``, ``paces``, ``give_notice``
+    and ``noticed`` have defaults here (a handler that knows nothing of them): inherit from this class to get them,
     and override those your rendezvous can answer. The agent calls every method directly;
     what a handler needs from the agent (a node's offer, its pace) comes in the
     ``RendezvousRequest``.
@@ -204,6 +204,22 @@ class RendezvousHandler(Protocol):
         when the request carried a ``pace``; the agent names stragglers from them.
         Default: none."""
         return {}
+
+    def give_notice(self, step: int) -> int:
+        """This node was told to stop (SIGTERM) with its workers at ``step``: ask every
+        node of the round to save at that step, mark this node as leaving, and end the
+        round. Returns the step every node saves at (the first notice given, when several
+        nodes were told at once). Default: ``step``, for this node only (the others lose
+        what they did since their last save, as before)."""
+        return step
+
+    def noticed(self, proposal: int | None = None) -> int | None:
+        """Once this node's round ended: the step every member saves at before its workers
+        stop. The notice a node told to stop gave; else, when the round ended for a
+        newcomer, the first member's ``proposal`` (this node's workers' step plus a lead;
+        None: it proposes none), the same for every member. None: no save on notice.
+        Default: None."""
+        return None
 
 
 # --- checkpoint storage -------------------------------------------------------------------

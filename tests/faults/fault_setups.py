@@ -78,17 +78,19 @@ class Backend:
         nproc: int = 2,
         endpoint: str | None = None,
         max_restarts: int | None = 3,
+        conf: str = "",
     ) -> subprocess.Popen[str]:
         """``rallypoint run`` of one node, writing its events to ``log`` with ``.jsonl``;
         ``args`` are more options, then the script. ``endpoint`` overrides the store's (a
-        proxy in front of it); ``max_restarts=None`` leaves the flag at its default. A c10d
+        proxy in front of it); ``max_restarts=None`` leaves the flag at its default; ``conf``:
+        more ``--rdzv-conf`` keys. A c10d
         job's first agent hosts the store: this returns once it listens."""
         hosting = self.name == "c10d" and not _listening(self.store_port)
         restarts = () if max_restarts is None else ("--max-restarts", str(max_restarts))
         agent = launch.start_rallypoint(
             "run", "--nnodes", nnodes, "--nproc-per-node", str(nproc), *restarts,
             "--rdzv-backend", self.name, "--rdzv-endpoint", endpoint or self.endpoint,
-            "--rdzv-id", run_id, "--rdzv-conf", self.conf,
+            "--rdzv-id", run_id, "--rdzv-conf", ",".join(filter(None, (self.conf, conf))),
             "--event-log", str(log.with_suffix(".jsonl")), *args, log=log,
         )  # fmt: skip
         if hosting:

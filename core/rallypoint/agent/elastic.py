@@ -28,7 +28,7 @@ import socket
 import tempfile
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
@@ -48,6 +48,7 @@ from rallypoint.agent.failures import (
 from rallypoint.agent.keeper import Keeper
 from rallypoint.agent.logs import STDERR, STDOUT, AttemptLogs, TorchLogsSpecs, default_logs
 from rallypoint.agent.memory import NodeMemory
+from rallypoint.agent.notice import SaveNotice, notice_step
 from rallypoint.agent.oom import cgroup_kills, oom_killed
 from rallypoint.agent.progress import Progress
 from rallypoint.agent.rendezvous import create_handler
@@ -113,6 +114,7 @@ class Agent:
             NodeSpec(self.node_id, host=host, labels=config.node_labels),
             offer=self._offer if config.checkpoint_memory else None,
             pace=self.pace.seconds if config.straggler_factor else None,
+            ready=self._getting_ready,
         )
         self.run_dir, self._temporary_run_dir = _run_directory(config)
         self.metrics_dir: Path | None = None  # set by _create_sinks when a sink wants it
@@ -127,7 +129,15 @@ class Agent:
         self.progress = Progress(None if self.watchdog is None else self.watchdog.beat)
         self._stragglers: tuple[str, ...] = ()  # the nodes found slow in this attempt
         self._named = False  # whether this node was named a straggler in this attempt
-        self._worker_events = Receiver(self._worker_event, heartbeat=self.progress.beat)
+        # Saves on notice (SIGTERM): when there are checkpoints to save.
+        self.notice: SaveNotice | None = None
+        if config.checkpoint_dir or config.checkpoint_memory:
+            self.notice = SaveNotice(self.run_dir)
+        self._worker_events = Receiver(
+            self._worker_event,
+            heartbeat=self.progress.beat,
+            notice=None if self.notice is None else self.notice.message,
+        )
         self._kept: Keeper | None = None  # started with the first rendezvous: see _keeper
         self.warm = WarmStart(config, lambda: self.signalled is not None)
         self._oom_kills: int | None = None  # the memory cgroup's OOM kills at the last start
@@ -139,6 +149,15 @@ class Agent:
         self._wake_read, self._wake_write = socket.socketpair()
         self._wake_read.setblocking(False)
         self._wake_write.setblocking(False)
+
+    def _getting_ready(self, offers: Sequence[Mapping[str, str]]) -> str | None:
+        """Before this node enters a running job: what it still does to start workers at
+        once (its preloaded interpreter, the newest memory checkpoint); None when ready."""
+        doing = self.warm.getting_ready(self._keeper())
+        if self.memory is not None:
+            fetching = self.memory.getting_ready(offers, last=doing is None)
+            doing = doing if fetching is None else f"{doing}; {fetching}" if doing else fetching
+        return doing
 
     def _worker_event(self, name: str, data: dict[str, Any]) -> None:
         self.bus.emit(name, **data)
@@ -193,6 +212,8 @@ class Agent:
             if self._kept is not None:
                 self._kept.close()  # gone by now, or nearly: it went while the handler closed
             self._worker_events.close()
+            if self.notice is not None:
+                self.notice.close()
             self.bus.close()
             if self.metrics_dir is not None:
                 shutil.rmtree(self.metrics_dir, ignore_errors=True)
@@ -245,6 +266,9 @@ class Agent:
             if outcome is Outcome.SIGNALLED:
                 return self._stop_on_signal(group)
             if outcome is Outcome.MEMBERSHIP_CHANGED:
+                if self.memory is not None:
+                    self.memory.round_ends()
+                self._save_on_notice(group, told=False)
                 group.stop(signal.SIGTERM, config.shutdown_timeout)
                 self._workers_restarted(restarts, MEMBERSHIP)
                 continue
@@ -431,6 +455,8 @@ class Agent:
     def _stop_on_signal(self, group: WorkerGroup) -> tuple[int, str]:
         """Forward the signal to the workers, give them the shutdown timeout, then kill."""
         assert self.signalled is not None
+        if self.signalled is signal.SIGTERM:
+            self._save_on_notice(group, told=True)
         logger.info(
             "received %s: stopping workers (%.0f s before SIGKILL)",
             self.signalled.name,
@@ -439,6 +465,54 @@ class Agent:
         group.stop(self.signalled, self.config.shutdown_timeout)
         group.finish_output()
         return 128 + int(self.signalled), f"stopped by {self.signalled.name}"
+
+    def _save_on_notice(self, group: WorkerGroup, *, told: bool) -> None:
+        """Before the workers stop for a new round: when a node of the round was told to
+        stop (this one: ``told``) or a newcomer ended it, every worker saves at one step
+        and holds there, so that the next round loses nothing. A node told to stop also
+        sends its last save to its peer before it leaves. Bounded by --shutdown-timeout."""
+        notice = self.notice
+        running = [w.spec.local_rank for w in group.running()]
+        if notice is None or not notice.watched(running):
+            return  # no checkpoints, or a script that never asks should_save
+        began, reached = time.monotonic(), self.progress.step()
+        if reached is None:
+            return  # not one step yet: nothing to save
+        several = self.config.max_nodes > 1
+        proposal = notice_step(reached, self.progress.step_seconds(), several=several)
+        if told:
+            try:
+                step = self.handler.give_notice(proposal)
+            except RallypointError as error:  # the store out of reach: this node saves alone
+                logger.warning("the other nodes were not given notice: %s", error)
+                step = proposal
+            logger.info("saving at step %d before this node stops (a save on notice)", step)
+        else:
+            noticed = self.handler.noticed(proposal)
+            if noticed is None:
+                return
+            step = noticed
+            logger.info("the round ends: saving at step %d before the workers stop", step)
+        notice.give(step)
+        timeout = self.config.shutdown_timeout
+        late, held = notice.wait_held(step, lambda: self._running_ranks(group), timeout)
+        if late:
+            logger.warning(
+                "local rank %s did not save at step %d within %g s (--shutdown-timeout)",
+                ", ".join(map(str, late)), step, timeout,
+            )  # fmt: skip
+        elif (
+            told
+            and self.memory is not None
+            and not self.memory.flush(max(0.0, began + timeout - time.monotonic()))
+        ):
+            logger.warning("the save of step %d was not sent to a peer in time", step)
+        logger.info("saved on notice at step %d in %.2f s", held, time.monotonic() - began)
+
+    @staticmethod
+    def _running_ranks(group: WorkerGroup) -> list[int]:
+        group.reap()
+        return [w.spec.local_rank for w in group.running()]
 
     # --- workers ------------------------------------------------------------------------
 
@@ -461,6 +535,7 @@ class Agent:
                 metrics_dir=None if self.metrics_dir is None else str(self.metrics_dir),
                 checkpoint_memory=None if self.memory is None else str(self.memory.path),
                 checkpoint_step=resume,
+                save_notice=None if self.notice is None else str(self.notice.path),
             )
             for local_rank in range(config.nproc_per_node)
         ]
@@ -492,6 +567,8 @@ class Agent:
         if self.watchdog is not None:
             self.watchdog.watch(now)
         self._oom_kills = cgroup_kills()  # a kill counted after this is one of ours
+        if self.notice is not None:
+            self.notice.reset()
         keeper = self._keeper()
         group = WorkerGroup.start(keeper, self.warm.spawn, specs, logs.filtered, config.role)
         self.warm.started(keeper)

@@ -57,6 +57,7 @@ PER_WORKER = frozenset(
         env.EVENTS_SOCKET,
         env.METRICS_DIR,
         env.PROGRESS_TIMEOUT,
+        env.SAVE_NOTICE,
     }
 )
 
@@ -70,7 +71,7 @@ def job_environment(config: LaunchConfig, base: Mapping[str, str] | None = None)
         # torchrun's choice: many workers each using every core oversubscribe the host.
         environ.setdefault(env.OMP_NUM_THREADS, "1")
     # Inherited (an agent run by a worker): not this agent's watchdog, nor its memory.
-    for name in (env.PROGRESS_TIMEOUT, *MEMORY_TIER):
+    for name in (env.PROGRESS_TIMEOUT, env.SAVE_NOTICE, *MEMORY_TIER):
         environ.pop(name, None)
     return environ
 
@@ -87,6 +88,7 @@ def worker_environment(
     metrics_dir: str | None = None,
     checkpoint_memory: str | None = None,
     checkpoint_step: int | None = None,
+    save_notice: str | None = None,
     base: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The full environment of the worker ``local_rank`` for this round and attempt."""
@@ -127,6 +129,7 @@ def worker_environment(
         env.EVENTS_SOCKET: events_socket,
         env.METRICS_DIR: metrics_dir,
         env.PROGRESS_TIMEOUT: f"{config.watchdog_timeout:g}" if config.watchdog_timeout else None,
+        env.SAVE_NOTICE: save_notice,
     }
     environ.update({name: value for name, value in optional.items() if value})
     if checkpoint_memory:

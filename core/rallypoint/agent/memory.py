@@ -31,7 +31,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -127,7 +127,10 @@ class NodeMemory:
         self._persisters: dict[Key, Latest] = {}
         self._senders: dict[Key, Latest] = {}
         self._next: str | None = None  # the server of the node after this one in the round
+        self._ending = False  # the round ended: its members may be leaving
         self.server: peers.PeerServer | None = None
+        self._prefetch: threading.Thread | None = None  # the newest, before a join
+        self._prefetch_last = False  # whether it was started with nothing else to wait for
         if config.max_nodes > 1:
             try:
                 self.server = peers.PeerServer(host, self._find, self._inbox)
@@ -152,7 +155,10 @@ class NodeMemory:
     @contextlib.contextmanager
     def _find(self, step: int, rank: int, sharded: bool) -> Iterator[Held]:
         """The copy of ``step`` by ``rank`` this node holds, its own or a peer's, held
-        while the block runs; ``mf.Damaged`` when it holds none."""
+        while the block runs (``peers.NEWEST``: its newest whole state); ``mf.Damaged``
+        when it holds none."""
+        if step == peers.NEWEST and not sharded:
+            step = max(self.held(), default=peers.NEWEST)
         with contextlib.ExitStack() as stack:
             holds: tuple[Callable[[], contextlib.AbstractContextManager[Held]], ...] = (
                 lambda: self.copies.hold(step, rank, sharded),
@@ -192,11 +198,17 @@ class NodeMemory:
             offer["server"] = self.server.address
         return offer
 
+    def round_ends(self) -> None:
+        """The round ended: a copy that does not reach the next node (which may be leaving,
+        told to stop) is no news until the next round names the next node again."""
+        self._ending = True
+
     def resume_step(self, assignment: Assignment) -> int | None:
         """The step every member of this round resumes from (``rallypoint.agent.resume``:
         the same on every node, from the same round record). Copies this node's workers
         will need and it does not hold are fetched from a member that does first; None when
         no member holds a usable one (the workers load from durable storage)."""
+        self._ending = False
         info = assignment.info
         offers = assignment.offers or ({},) * info.group_world_size
         me = info.group_rank
@@ -212,6 +224,44 @@ class NodeMemory:
             self._fetch(decision.step, rank, sharded, members, assignment)
         return decision.step
 
+    def getting_ready(self, offers: Sequence[Mapping[str, str]], *, last: bool) -> str | None:
+        """Before this node enters a running job (``offers``: its round's, by group rank):
+        what it still does to hold the job's newest whole state, fetched in the background
+        from a member; None once done (fetched, or no member had one to send). ``last``:
+        nothing else keeps the node from joining, so a fetch done before, which the job
+        has saved past since, is made again (once)."""
+        fetch = self._prefetch
+        if fetch is not None and not fetch.is_alive() and last and not self._prefetch_last:
+            fetch = None  # done while the node was busy with something else: fetch anew
+        if fetch is None:
+            self._prefetch_last = last
+            fetch = self._prefetch = threading.Thread(
+                target=self._fetch_newest, args=(offers,), name="rallypoint-prefetch", daemon=True
+            )
+            fetch.start()
+        if fetch.is_alive():
+            return "fetching the newest memory checkpoint from a member"
+        return None
+
+    def _fetch_newest(self, offers: Sequence[Mapping[str, str]]) -> None:
+        # Group rank 0 saves whole states: it holds the newest, its next member a copy.
+        for member, offer in enumerate(offers):
+            server = offer.get("server")
+            if not server:
+                continue
+            began = time.perf_counter()
+            try:
+                step, size = peers.get(server, peers.NEWEST, self.peer)
+            except (OSError, ValueError, CheckpointError, mf.Damaged) as error:
+                logger.debug("no newest checkpoint from %s: %s", server, error)
+                continue
+            logger.info(
+                "fetched the job's newest checkpoint (step %d) from group rank %d before "
+                "joining (%s in %.2f s)",
+                step, member, size_text(size), time.perf_counter() - began,
+            )  # fmt: skip
+            return
+
     def _fetch(
         self, step: int, rank: int, sharded: bool, members: list[int], assignment: Assignment
     ) -> None:
@@ -224,7 +274,7 @@ class NodeMemory:
                 continue
             began = time.perf_counter()
             try:
-                size = peers.get(server, step, self._inbox(rank, sharded), rank, sharded)
+                _, size = peers.get(server, step, self._inbox(rank, sharded), rank, sharded)
             except (OSError, ValueError, CheckpointError, mf.Damaged) as error:
                 logger.warning("%s not fetched from %s: %s", what, server, error)
                 continue
@@ -277,7 +327,9 @@ class NodeMemory:
             with self.copies.hold(step, rank, sharded, or_newer=True) as held:
                 peers.put(server, held, rank, sharded)
         except (OSError, ValueError, CheckpointError, mf.Damaged) as error:
-            logger.warning("checkpoint of step %d not sent to %s: %s", step, server, error)
+            # While the round ends the peer may be leaving (told to stop): no news.
+            level = logging.INFO if self._ending else logging.WARNING
+            logger.log(level, "checkpoint of step %d not sent to %s: %s", step, server, error)
 
     def _persist(self, key: Key, step: int) -> None:
         done = self.persisted.get(key)
@@ -313,6 +365,14 @@ class NodeMemory:
         )
 
     # --- stopping -------------------------------------------------------------------------
+
+    def flush(self, timeout: float) -> bool:
+        """Wait, at most ``timeout`` s, for the copies asked of the peer senders so far to
+        be sent (a node that leaves sends its last save first); whether they were."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            senders = list(self._senders.values())
+        return all(s.join(max(0.0, deadline - time.monotonic())) for s in senders)
 
     def close(self, why: str) -> None:
         """The agent stops (``why``): make the newest memory checkpoints durable if they

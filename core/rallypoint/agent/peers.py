@@ -150,9 +150,16 @@ def put(address: str, held: Held, rank: int = 0, sharded: bool = False) -> None:
         raise ConnectionError(str(answer.get("reason")))
 
 
-def get(address: str, step: int, into: Tier, rank: int = 0, sharded: bool = False) -> int:
-    """Fetch the checkpoint of ``step`` (``rank``'s share with ``sharded``) from the agent
-    at ``address`` into ``into``; the bytes fetched."""
+#: The step a ``get`` asks for to have the newest whole state the peer holds.
+NEWEST = -1
+
+
+def get(
+    address: str, step: int, into: Tier, rank: int = 0, sharded: bool = False
+) -> tuple[int, int]:
+    """Fetch the checkpoint of ``step`` (``rank``'s share with ``sharded``; NEWEST: the
+    newest whole state) from the agent at ``address`` into ``into``; its step, and the
+    bytes fetched."""
     with _connect(address) as (reader, writer):
         _send(writer, {"op": "get", "step": step, "rank": rank, "sharded": sharded})
         writer.flush()
@@ -160,4 +167,4 @@ def get(address: str, step: int, into: Tier, rank: int = 0, sharded: bool = Fals
         if not answer.get("ok"):
             raise ConnectionError(str(answer.get("reason")))
         manifest = mf.Manifest.decode(str(answer["manifest"]).encode())
-        return into.receive(manifest, lambda _file: contextlib.nullcontext(reader))
+        return manifest.step, into.receive(manifest, lambda _file: contextlib.nullcontext(reader))

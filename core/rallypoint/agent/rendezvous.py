@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 
 from rallypoint.config import DEFAULT_MASTER_PORT, LaunchConfig
@@ -14,10 +14,15 @@ from rallypoint.rendezvous.factory import connect, protocol_handler
 
 Offer = Callable[[], Mapping[str, str]]
 Pace = Callable[[], "float | None"]
+Ready = Callable[[Sequence[Mapping[str, str]]], "str | None"]
 
 
 def request_for(
-    config: LaunchConfig, node: NodeSpec, offer: Offer | None = None, pace: Pace | None = None
+    config: LaunchConfig,
+    node: NodeSpec,
+    offer: Offer | None = None,
+    pace: Pace | None = None,
+    ready: Ready | None = None,
 ) -> RendezvousRequest:
     """What a backend is told about this node's launch (and what its agent provides)."""
     assigner = config.assigner.item
@@ -39,11 +44,16 @@ def request_for(
         master_port=config.master_port,
         offer=offer,
         pace=pace,
+        ready=ready,
     )
 
 
 def create_handler(
-    config: LaunchConfig, node: NodeSpec, offer: Offer | None = None, pace: Pace | None = None
+    config: LaunchConfig,
+    node: NodeSpec,
+    offer: Offer | None = None,
+    pace: Pace | None = None,
+    ready: Ready | None = None,
 ) -> RendezvousHandler:
     """The handler that runs ``config``'s rendezvous for this node.
 
@@ -52,7 +62,7 @@ def create_handler(
     process's memory. Otherwise the backend gives a whole handler, or a store for the
     protocol.
     """
-    request = request_for(config, node, offer, pace)
+    request = request_for(config, node, offer, pace, ready)
     backend = config.rendezvous.item
     if config.max_nodes == 1:
         from rallypoint.rendezvous.memory import MemoryStore
@@ -70,7 +80,7 @@ def checked_handler(backend: str, handler: object) -> RendezvousHandler:
     """A backend's own handler, once checked to have every method the agent calls."""
     missing = [
         name
-        for name in (*_REQUIRED, "gone", "fail", "paces")
+        for name in (*_REQUIRED, "gone", "fail", "paces", "give_notice", "noticed")
         if not callable(getattr(handler, name, None))
     ]
     if missing:

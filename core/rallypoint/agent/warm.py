@@ -69,6 +69,16 @@ class WarmStart:
             shown = len("\0".join(self.argv)) + 1  # each worker writes it there
             keeper.prepare([*argv, ",".join(self.preload), " " * shown], self.env)
 
+    def getting_ready(self, keeper: Keeper) -> str | None:
+        """What the preloaded interpreter still does before workers can fork from it; None
+        once it is ready (or failed: workers then start cold, or there is none)."""
+        if self.off is not None:
+            return None
+        keeper.pump()  # its news so far
+        if keeper.warm != "preparing":
+            return None
+        return f"importing {', '.join(self.preload)}" if self.preload else "starting Python"
+
     def spawn(self, keeper: Keeper, spec: WorkerSpec, stdout: int, stderr: int) -> int:
         """Start the worker of ``spec``, writing to ``stdout`` and ``stderr``; its pid.
         ``OSError`` when a cold one cannot be executed."""

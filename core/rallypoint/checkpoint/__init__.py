@@ -7,7 +7,8 @@
         model.load_state_dict(loaded.state["model"])
         start = loaded.step + 1
     ...
-    checkpoint.save({"model": model.state_dict()}, step, asynchronous=True)  # rank 0 writes
+    if checkpoint.should_save(step, every=100):  # and when the agent gives notice
+        checkpoint.save({"model": model.state_dict()}, step, asynchronous=True)  # rank 0 writes
 
 The functions use one ``Checkpointer`` for the process, made from the environment the
 agent sets (``RALLYPOINT_CHECKPOINT_URL``, ``RANK``, ``WORLD_SIZE``); make a
@@ -23,6 +24,7 @@ from typing import Any
 from rallypoint.checkpoint.checkpointer import URL_ENV, Checkpoint, Checkpointer
 from rallypoint.checkpoint.storage import FileStorage
 from rallypoint.interfaces import CheckpointError, CheckpointStorage
+from rallypoint.worker import notice
 
 __all__ = [
     "URL_ENV",
@@ -34,6 +36,7 @@ __all__ = [
     "default",
     "load_latest",
     "save",
+    "should_save",
     "wait",
 ]
 
@@ -53,6 +56,12 @@ def default() -> Checkpointer:
 def save(state: Any, step: int, *, asynchronous: bool = False) -> None:
     """``default().save(...)``: rank 0 saves ``state`` as the checkpoint of ``step``."""
     default().save(state, step, asynchronous=asynchronous)
+
+
+def should_save(step: int, every: int | None = None) -> bool:
+    """Whether to save at ``step``: every ``every`` steps, and at a save on notice
+    (``Checkpointer.should_save``; it needs no checkpoint location)."""
+    return notice.should_save(step, every)
 
 
 def load_latest(*, map_location: Any = "cpu", weights_only: bool = True) -> Checkpoint | None:

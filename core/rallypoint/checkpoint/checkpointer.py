@@ -24,7 +24,7 @@ from rallypoint.checkpoint.storage import FileStorage, Prefixed
 from rallypoint.checkpoint.tier import BEGUN, DURABLE, MEMORY, PEER, Tier
 from rallypoint.interfaces import CheckpointError, CheckpointStorage
 from rallypoint.worker import channel as worker_channel
-from rallypoint.worker import env, progress
+from rallypoint.worker import env, notice, progress
 
 logger = logging.getLogger("rallypoint.checkpoint")
 
@@ -139,6 +139,18 @@ class Checkpointer:
 
     # --- saving ---------------------------------------------------------------------------
 
+    def should_save(self, step: int, every: int | None = None) -> bool:
+        """Whether to save at ``step``: every ``every`` steps, and whenever the agent asks
+        for a save on notice (its node was told to stop: ``rallypoint.worker.notice``).
+        Call it on every rank at the end of each step::
+
+            if store.should_save(step, every=100):
+                store.save(state, step)
+
+        A save on notice is the worker's last act in the round: ``save`` returns once the
+        agent withdraws the notice, and the agent stops the worker first."""
+        return notice.should_save(step, every)
+
     def save(self, state: Any, step: int, *, asynchronous: bool = False) -> None:
         """Save ``state`` (what ``torch.save`` takes) as the checkpoint of ``step``.
 
@@ -159,8 +171,17 @@ class Checkpointer:
                 next ``save`` or ``wait``, unless a newer save is complete by then.
         """
         progress.heartbeat(step=step)  # every rank: the step is what the agent accounts by
-        if self.rank != 0:
-            return
+        if self.rank == 0:
+            self._save(state, step, asynchronous)
+        self._hold_on_notice(step)
+
+    def _hold_on_notice(self, step: int) -> None:
+        """After a save on notice: the save complete, wait for the agent to stop us."""
+        if notice.requested(step):
+            self.wait()
+            notice.hold(step)
+
+    def _save(self, state: Any, step: int, asynchronous: bool) -> None:
         if self.memory is not None:
             self._memory_arena().save(
                 state, step, rank=self.rank, world_size=self.world_size, asynchronous=asynchronous
@@ -246,6 +267,10 @@ class Checkpointer:
         if self.memory is not None:
             self.save_shares(state, step, asynchronous=asynchronous)
             return
+        self._save_dcp(state, step)
+        self._hold_on_notice(step)
+
+    def _save_dcp(self, state: dict[str, Any], step: int) -> None:
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -409,6 +434,7 @@ class Checkpointer:
             state, step, rank=self.rank, world_size=self.world_size, format="sharded",
             asynchronous=asynchronous, placed=placed,
         )  # fmt: skip
+        self._hold_on_notice(step)
 
     def _sharded_tier(self) -> Tier:
         if self.durable is None:

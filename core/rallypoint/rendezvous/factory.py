@@ -33,6 +33,7 @@ def protocol_handler(
         master_port=master_port,
         offer=request.offer,
         pace=request.pace,
+        ready=request.ready,
     )
 
 

@@ -18,7 +18,7 @@ from rallypoint.events import RoundInfo
 from rallypoint.extensions import NodeSpec, RankAssigner
 from rallypoint.interfaces import Assignment, RendezvousFailed, RendezvousTimeout, StoreError
 from rallypoint.registry import RANK_ASSIGNERS, describe, plugin_failure
-from rallypoint.rendezvous import calls, generations, records
+from rallypoint.rendezvous import calls, generations, readiness, records
 from rallypoint.rendezvous.calls import Steps
 from rallypoint.rendezvous.keys import Keys
 from rallypoint.rendezvous.node import NodeState, Watch
@@ -105,6 +105,7 @@ class Joining:
         master_port: int | None = None,
         offer: Callable[[], Mapping[str, str]] | None = None,
         pace: Callable[[], float | None] | None = None,
+        ready: readiness.Ready | None = None,
     ) -> None:
         self.node = node
         self.settings = node.settings
@@ -115,6 +116,7 @@ class Joining:
         self.master_port = master_port
         self.offer = offer
         self.pace = pace
+        self.ready = ready  # None: a node joins at once, ready or not
         self.rank: int | None = None
         self.port: Port | None = None
         self.started = False  # whether this node has joined the run before
@@ -138,6 +140,10 @@ class Joining:
                 node.publish(keys=keys)
                 start_heartbeat()
                 self.started = True
+                if self.ready is not None:
+                    yield from readiness.get_ready(node, self.ready)
+                    deadline = node.clock() + self.settings.join_timeout
+                    node.publish(joining=deadline)
             elif node.view.round is not None and not (yield from self.follow_generation()):
                 yield from self.check_failed()  # a later round: did a node fail the job?
             return (yield from self._rounds(deadline))
@@ -573,7 +579,12 @@ class Joining:
             joined = {n.node_id for n in nodes}
             missing = []
             for node_id in previous.node_ids:
-                if node_id not in joined and (yield from node.alive(node_id, keys)):
+                # A member told to stop (it saves, then leaves) is not waited for.
+                if (
+                    node_id not in joined
+                    and (yield from node.alive(node_id, keys))
+                    and not (yield from calls.get(keys.leaving(previous.round, node_id)))
+                ):
                     missing.append(node_id)
             if survivors_in(previous.node_ids, joined, missing, expected, s):
                 return nodes

@@ -34,3 +34,15 @@ class Keys:
 
     def heartbeat(self, node_id: str) -> str:
         return self.root + f"hb/{node_id}"
+
+    def leaving(self, round_: int, node_id: str) -> str:
+        """A member of ``round_`` told to stop, which the next round does not wait for."""
+        return self.of_round(round_, "leaving", node_id)
+
+    def ready_count(self) -> str:
+        """How many nodes said they were getting ready beside a running round."""
+        return self.root + "ready"
+
+    def ready(self, number: int) -> str:
+        """What the ``number``-th node getting ready does (``rendezvous.readiness``)."""
+        return self.root + f"ready/{number}"

@@ -53,7 +53,7 @@ from collections.abc import Callable, Mapping, Sequence
 from rallypoint.errors import RallypointError
 from rallypoint.extensions import NodeSpec, RankAssigner
 from rallypoint.interfaces import Assignment, CoordinationStore, RendezvousHandler, StoreError
-from rallypoint.rendezvous import calls, records
+from rallypoint.rendezvous import calls, notices, records
 from rallypoint.rendezvous.calls import Steps
 from rallypoint.rendezvous.heartbeat import WAKE_SLICE, Heartbeat
 from rallypoint.rendezvous.joining import Joining
@@ -61,6 +61,7 @@ from rallypoint.rendezvous.keys import Keys
 from rallypoint.rendezvous.node import NodeState
 from rallypoint.rendezvous.paces import PaceBoard
 from rallypoint.rendezvous.ports import PortReservation
+from rallypoint.rendezvous.readiness import Ready
 from rallypoint.rendezvous.retrying import RetryingStore
 from rallypoint.rendezvous.settings import Settings
 
@@ -92,6 +93,7 @@ class StoreRendezvous(RendezvousHandler):
         master_port: int | None = None,
         offer: Callable[[], Mapping[str, str]] | None = None,
         pace: Callable[[], float | None] | None = None,
+        ready: Ready | None = None,
     ) -> None:
         if not records.usable_id(node.node_id) or not records.usable_host(node.host):
             raise RallypointError(
@@ -115,6 +117,7 @@ class StoreRendezvous(RendezvousHandler):
             master_port=master_port,
             offer=offer,
             pace=pace,
+            ready=ready,
         )
         self.board = PaceBoard(node.node_id, pace) if pace is not None else None
         self._stop_heartbeat = threading.Event()
@@ -166,6 +169,12 @@ class StoreRendezvous(RendezvousHandler):
         """The paces of the current round's members (node id -> CPU seconds per step), as
         they last shared them, this node's included; a member that shared none is absent."""
         return self.board.paces(self.state.view.round) if self.board is not None else {}
+
+    def give_notice(self, step: int) -> int:
+        return self._drive(notices.give(self.state, step))
+
+    def noticed(self, proposal: int | None = None) -> int | None:
+        return self._drive(notices.read(self.state, proposal))
 
     def request_new_round(self) -> None:
         """After a local failure: end the round so that every node restarts its workers."""

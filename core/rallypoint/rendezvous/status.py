@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from rallypoint.interfaces import CoordinationStore
-from rallypoint.rendezvous import records
+from rallypoint.rendezvous import calls, readiness, records
 from rallypoint.rendezvous.generations import current_generation, inspect_run
 from rallypoint.rendezvous.keys import Keys
 from rallypoint.rendezvous.liveness import CounterLiveness
@@ -16,7 +16,7 @@ def read_status(
     store: CoordinationStore, keys: Keys, run_id: str, heartbeat_timeout: float
 ) -> dict[str, Any]:
     """The current round, its members by group rank, nodes waiting for the next round,
-    whether each member is alive, and the run's condition: ``forming``, ``running``,
+    nodes getting ready beside it, whether each member is alive, and the run's condition: ``forming``, ``running``,
     ``failed`` (the round's leader could not form it) or ``abandoned`` (no agent of it is
     alive: it failed or was killed; its next start begins afresh); ``None`` when the store
     holds nothing of the run (it never started, or finished cleanly and left nothing).
@@ -40,7 +40,9 @@ def read_status(
     record = records.decode_round(closed_key, raw_closed) if raw_closed else None
     members = record.node_ids if record else ()
     sample = heartbeat_timeout / 3 + 0.5
-    alive = _alive(store, keys, members, sample)
+    ready = dict(calls.drive(readiness.getting_ready(keys), store))
+    alive = _alive(store, keys, tuple(dict.fromkeys((*members, *ready))), sample)
+    getting_ready = [{"node_id": n, "doing": doing} for n, doing in ready.items() if alive[n]]
     joined_now = store.add(keys.of_round(round_, "joined"), 0)
     forming = raw_closed is None or (record is not None and record.round != round_)
     gone, _ = inspect_run(store, keys, sample)
@@ -63,6 +65,7 @@ def read_status(
         "error": record.error if record else "",
         "members": _members(record, alive),
         "joined_current_round": joined_now,
+        "getting_ready": getting_ready,  # beside the running round, before they join
         "waiting": joined_now
         if record is None or record.round != round_
         else max(0, joined_now - len(members)),

@@ -12,7 +12,9 @@ one seed. A schedule replays exactly from its seed::
 Faults drawn per schedule: store latency; lost responses (a write applied, its reply
 lost, so the protocol's retry applies it again: a join counted twice); a store outage
 and its return; an agent frozen (as by SIGSTOP) and woken; an agent crashed (SIGKILL)
-and started again; an agent stopped on purpose (SIGTERM: it leaves); nodes arriving late;
+and started again; an agent stopped on purpose (SIGTERM: it gives the round notice,
+``rendezvous.notices``, and leaves); nodes arriving late, which get ready beside the
+running job for a while first (``rendezvous.readiness``);
 every agent killed, then the job run again under the same run id; one agent's clock fast
 or slow. After every event the invariants (``Invariants``) are checked.
 """
@@ -34,7 +36,7 @@ from typing import Any
 from rallypoint.errors import RallypointError
 from rallypoint.extensions import NodeSpec, RankAssigner
 from rallypoint.interfaces import Assignment, StoreError, StoreUnavailable
-from rallypoint.rendezvous import calls, records
+from rallypoint.rendezvous import calls, notices, records
 from rallypoint.rendezvous.calls import Call, Steps
 from rallypoint.rendezvous.heartbeat import WAKE_SLICE, Heartbeat
 from rallypoint.rendezvous.joining import Joining
@@ -74,6 +76,7 @@ class Schedule:
     failures: list[tuple[int, float]]  # node, at: its workers fail, it asks a new round
     rerun: float | None  # every agent killed at, then all started again
     skews: dict[int, float]  # node -> its clock's rate
+    ready: dict[int, float]  # node -> seconds it takes to get ready beside a running job
     quiet: float  # when the last fault is over
     end: float  # when the schedule is checked for the last time
 
@@ -114,6 +117,9 @@ class Schedule:
         ]
         rerun = rng.uniform(20, horizon - 30) if rng.random() < 0.15 else None
         skews = {rng.randrange(nodes): rng.uniform(0.8, 1.25)} if rng.random() < 0.3 else {}
+        # Drawn from a stream of its own: the other draws stay as they were.
+        getting = random.Random(f"ready {seed}")
+        ready = {i: getting.choice((0.0, 0.5, 3.0, 10.0)) for i in range(nodes)}
         ends = [horizon]
         if outage:
             ends.append(outage[1])
@@ -123,10 +129,10 @@ class Schedule:
         # member lapses (ttl), its neighbour sees it (ttl / 3), the survivors wait out the
         # last call, join numbers without a record are waited for (close_timeout, twice).
         settle = 2 * ttl + settings.last_call_timeout + 2 * settings.close_timeout
-        end = quiet + settle + 30 * latency + 20
+        end = quiet + settle + 30 * latency + 20 + max(ready.values())
         return cls(
             seed, settings, nodes, starts, latency, lose, outage, freezes, crashes, stops,
-            failures, rerun, skews, quiet, end,
+            failures, rerun, skews, ready, quiet, end,
         )  # fmt: skip
 
     def quiet_start(self) -> bool:
@@ -228,7 +234,15 @@ class SimAgent:
             Keys(sim.schedule.settings.prefix, RUN_ID),
             lambda: born + (sim.now - born) * self.rate,
         )
-        self.joining = Joining(self.state, sim.assigner, lambda port: _Port(port or 29500))
+        # A node that comes to a running job gets ready beside it first (its agent's
+        # preloaded interpreter, a checkpoint fetched): for ``ready_in`` simulated seconds.
+        ready_in = sim.schedule.ready.get(self.index, 0.0)
+        self.joining = Joining(
+            self.state,
+            sim.assigner,
+            lambda port: _Port(port or 29500),
+            ready=lambda _offers: "importing" if sim.now < born + ready_in else None,
+        )
         self.conn = sim.store.clone()
         self.beat_conn = sim.store.clone()
 
@@ -309,7 +323,12 @@ class SimAgent:
         def closed(_: Any, error: BaseException | None) -> None:
             self.conn.close()
 
-        self.sim.spawn(self, "leave", self.conn, leave(self.joining, None), closed)
+        self.sim.spawn(self, "leave", self.conn, self._leave(), closed)
+
+    def _leave(self) -> Steps[None]:
+        """As the agent told to stop: notice to the round (its workers save), then leave."""
+        yield from notices.give(self.state, 0)
+        yield from leave(self.joining, None)
 
 
 class Simulation:

@@ -26,6 +26,11 @@ ENV = env.EVENTS_SOCKET
 WORKER_EVENTS = frozenset({events.CHECKPOINT_SAVED, events.CHECKPOINT_LOADED})
 #: A worker's sign of progress: for the agent's watchdog only, never an event of the run.
 HEARTBEAT = "heartbeat"
+#: A worker's messages about saves on notice (``rallypoint.worker.notice``): for the agent
+#: only, like heartbeats.
+NOTICE_WATCHING = "notice_watching"
+NOTICE_HELD = "notice_held"
+NOTICES = frozenset({NOTICE_WATCHING, NOTICE_HELD})
 _MAX = 65536
 
 logger = logging.getLogger(__name__)
@@ -48,17 +53,20 @@ def send(name: str, **data: Any) -> None:
 
 
 class Receiver:
-    """The agent's end: hands every valid worker event to ``deliver(name, data)``, and
-    every heartbeat to ``heartbeat(data)`` when given (else heartbeats are dropped)."""
+    """The agent's end: hands every valid worker event to ``deliver(name, data)``, every
+    heartbeat to ``heartbeat(data)`` and every notice message to ``notice(name, data)``
+    when given (else they are dropped)."""
 
     def __init__(
         self,
         deliver: Callable[[str, dict[str, Any]], object],
         heartbeat: Callable[[dict[str, Any]], object] | None = None,
+        notice: Callable[[str, dict[str, Any]], object] | None = None,
     ) -> None:
         self.address = f"rallypoint-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._deliver = deliver
         self._heartbeat = heartbeat
+        self._notice = notice
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._socket.bind("\0" + self.address)
         self._thread = threading.Thread(target=self._receive, daemon=True)
@@ -82,6 +90,8 @@ class Receiver:
                     self._heartbeat(data)
                 except Exception:  # a malformed heartbeat must not end the receiver
                     logger.exception("a worker heartbeat could not be handled")
+            elif name in NOTICES and self._notice is not None:
+                self._notice(name, data)
             elif name in WORKER_EVENTS:
                 try:
                     self._deliver(name, data)

@@ -50,6 +50,8 @@ CHECKPOINT_MEMORY_KEEP = "RALLYPOINT_MEMORY_TIER_KEEP"
 CHECKPOINT_STEP = "RALLYPOINT_CHECKPOINT_STEP"
 #: The agent's datagram socket for worker events (``rallypoint.worker.channel``).
 EVENTS_SOCKET = "RALLYPOINT_EVENTS_SOCKET"
+#: The agent's save-on-notice file (``rallypoint.worker.notice``).
+SAVE_NOTICE = "RALLYPOINT_SAVE_NOTICE"
 #: Where ``rallypoint.metrics`` records, when a chosen sink exports worker metrics.
 METRICS_DIR = "RALLYPOINT_METRICS_DIR"
 #: ``--watchdog-timeout`` when the watchdog is on: ``rallypoint.heartbeat()`` sends nothing

@@ -1,0 +1,116 @@
+"""Saves on notice: the step an agent picks, its notice file as a worker reads it, and one
+real agent told to stop (its workers save at the step they reached, whatever the save
+interval). Several nodes, on every backend: tests/faults/test_scale_notice.py."""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import launch
+from launch import assert_no_worker_left, wait_for_text, worker
+from rallypoint.agent.notice import SaveNotice, notice_step
+from rallypoint.worker import channel
+from rallypoint.worker import notice as worker_notice
+
+
+def test_the_notice_step_leaves_time_for_every_worker_to_hear_of_it() -> None:
+    assert notice_step(100, None, several=False) == 102
+    assert notice_step(100, None, several=True) == 103
+    assert notice_step(100, 0.5, several=True) == 102  # one step covers the lead
+    assert notice_step(100, 0.03, several=True) == 111  # 0.3 s of steps, and one more
+    assert notice_step(100, 0.01, several=False) == 103
+
+
+@pytest.fixture
+def notice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SaveNotice]:
+    made = SaveNotice(tmp_path)
+    monkeypatch.setenv(worker_notice.ENV, str(made.path))
+    monkeypatch.setattr(worker_notice, "_opened", False)
+    monkeypatch.setattr(worker_notice, "_announced", False)
+    monkeypatch.setattr(worker_notice, "_view", None)
+    yield made
+    made.close()
+    worker_notice._view = None  # mapped from the closed file
+
+
+def test_a_worker_saves_every_n_steps_and_at_the_notice(notice: SaveNotice) -> None:
+    assert [s for s in range(1, 25) if worker_notice.should_save(s, every=10)] == [10, 20]
+    notice.give(13)
+    assert [s for s in range(11, 16) if worker_notice.should_save(s, every=10)] == [13, 14, 15]
+    notice.reset()
+    assert not worker_notice.should_save(13, every=10)
+
+
+def test_outside_rallypoint_should_save_is_the_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(worker_notice.ENV, raising=False)
+    monkeypatch.setattr(worker_notice, "_opened", False)
+    monkeypatch.setattr(worker_notice, "_view", None)
+    assert [s for s in range(1, 8) if worker_notice.should_save(s, every=3)] == [3, 6]
+    assert not worker_notice.requested(5)
+
+
+def test_the_agent_waits_for_the_workers_that_watch_until_they_hold(notice: SaveNotice) -> None:
+    assert not notice.watched([0, 1])
+    notice.message(channel.NOTICE_WATCHING, {"local_rank": 0})
+    notice.message(channel.NOTICE_WATCHING, {"local_rank": 1})
+    assert notice.watched([0, 1])
+    notice.give(7)
+    notice.message(channel.NOTICE_HELD, {"local_rank": 0, "step": 7})
+    began = time.monotonic()
+    late, held = notice.wait_held(7, lambda: [0, 1], timeout=0.3)
+    assert (late, held) == ([1], 7)
+    assert time.monotonic() - began >= 0.3
+    notice.message(channel.NOTICE_HELD, {"local_rank": 1, "step": 8})  # heard it late
+    assert notice.wait_held(7, lambda: [0, 1], timeout=5) == ([], 8)
+    assert notice.wait_held(9, lambda: [], timeout=5) == ([], 8)  # none left running
+    notice.reset()
+    assert not notice.watched([0])
+
+
+STEP = re.compile(r"step=(\d+) rank=0 world=2 at=")
+
+
+def test_a_node_told_to_stop_saves_the_step_its_workers_reached(tmp_path: Path) -> None:
+    tag = f"notice-{uuid.uuid4().hex}"
+    log = tmp_path / "agent.log"
+    agent = launch.start_rallypoint(
+        "run", "--nproc-per-node", "2", "--checkpoint-dir", str(tmp_path / "ckpt"),
+        "--checkpoint-memory", "16MB", worker("notice_steps.py"), "0.05", "10", tag, log=log,
+    )  # fmt: skip
+    try:
+        wait_for_text(log, "step=15 rank=0")
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=60) == 128 + signal.SIGTERM, log.read_text()
+    finally:
+        launch.kill(agent)
+    text = log.read_text()
+    reached = max(int(s) for s in STEP.findall(text))
+    saved = re.search(r"saved on notice at step (\d+)", text)
+    assert saved and int(saved.group(1)) == reached, text
+    newest = max(int(p.name.rsplit("-", 1)[1]) for p in (tmp_path / "ckpt").glob("step-*"))
+    assert newest == reached, f"the newest durable checkpoint is {newest}:\n{text}"
+    assert_no_worker_left(tag)
+
+
+def test_a_script_that_never_asks_stops_at_once(tmp_path: Path) -> None:
+    log = tmp_path / "agent.log"
+    tag = f"steps-{uuid.uuid4().hex}"
+    agent = launch.start_rallypoint(
+        "run", "--nproc-per-node", "1", "--checkpoint-dir", str(tmp_path / "ckpt"),
+        worker("steps.py"), "60", tag, log=log,
+    )  # fmt: skip
+    try:
+        wait_for_text(log, "step rank=0")
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=60) == 128 + signal.SIGTERM, log.read_text()
+    finally:
+        launch.kill(agent)
+    assert "on notice" not in log.read_text()
+    assert_no_worker_left(tag)
