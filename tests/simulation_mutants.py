@@ -66,7 +66,7 @@ MUTANTS = (
         (("            if recorded or count >= target or short:", "            if recorded:"),),
         "the leader waits for join number MIN's record, which a join retried after a lost "
         "reply never writes (seed 325): the round waits until join_timeout",
-        11,
+        146,
     ),
     Mutant(
         "leaderless-round-waited-for",
@@ -79,7 +79,7 @@ MUTANTS = (
         ),
         "join number 1 is never recorded (a lost reply, seed 95): the others wait for a "
         "leader that does not exist",
-        11,
+        64,
     ),
     Mutant(
         "heartbeat-failure-ignored-while-joining",

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 import launch
 from launch import assert_no_worker_left, wait_for_text, worker
@@ -77,40 +78,54 @@ def test_the_agent_waits_for_the_workers_that_watch_until_they_hold(notice: Save
 STEP = re.compile(r"step=(\d+) rank=0 world=2 at=")
 
 
-def test_a_node_told_to_stop_saves_the_step_its_workers_reached(tmp_path: Path) -> None:
-    tag = f"notice-{uuid.uuid4().hex}"
+def stopped(tmp_path: Path, once: str, *args: str, tag: str) -> str:
+    """The output of ``rallypoint run ARGS`` sent SIGTERM once it printed ``once``; it must
+    exit 143 and leave no worker (``tag``: in the workers' command lines, ``args``)."""
     log = tmp_path / "agent.log"
     agent = launch.start_rallypoint(
-        "run", "--nproc-per-node", "2", "--checkpoint-dir", str(tmp_path / "ckpt"),
-        "--checkpoint-memory", "16MB", worker("notice_steps.py"), "0.05", "10", tag, log=log,
-    )  # fmt: skip
+        "run", "--checkpoint-dir", str(tmp_path / "ckpt"), *args, log=log
+    )
     try:
-        wait_for_text(log, "step=15 rank=0")
+        wait_for_text(log, once)
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=60) == 128 + signal.SIGTERM, log.read_text()
     finally:
         launch.kill(agent)
-    text = log.read_text()
+    assert_no_worker_left(tag)
+    return log.read_text()
+
+
+def test_a_node_told_to_stop_saves_the_step_its_workers_reached(tmp_path: Path) -> None:
+    tag = f"notice-{uuid.uuid4().hex}"
+    text = stopped(
+        tmp_path, "step=15 rank=0", "--nproc-per-node", "2", "--checkpoint-memory", "16MB",
+        worker("notice_steps.py"), "0.05", "10", tag, tag=tag,
+    )  # fmt: skip
     reached = max(int(s) for s in STEP.findall(text))
     saved = re.search(r"saved on notice at step (\d+)", text)
     assert saved and int(saved.group(1)) == reached, text
     newest = max(int(p.name.rsplit("-", 1)[1]) for p in (tmp_path / "ckpt").glob("step-*"))
     assert newest == reached, f"the newest durable checkpoint is {newest}:\n{text}"
-    assert_no_worker_left(tag)
 
 
 def test_a_script_that_never_asks_stops_at_once(tmp_path: Path) -> None:
-    log = tmp_path / "agent.log"
     tag = f"steps-{uuid.uuid4().hex}"
-    agent = launch.start_rallypoint(
-        "run", "--nproc-per-node", "1", "--checkpoint-dir", str(tmp_path / "ckpt"),
-        worker("steps.py"), "60", tag, log=log,
+    text = stopped(
+        tmp_path, "step rank=0", "--nproc-per-node", "1", worker("steps.py"), "60", tag,
+        tag=tag,
     )  # fmt: skip
-    try:
-        wait_for_text(log, "step rank=0")
-        agent.send_signal(signal.SIGTERM)
-        assert agent.wait(timeout=60) == 128 + signal.SIGTERM, log.read_text()
-    finally:
-        launch.kill(agent)
-    assert "on notice" not in log.read_text()
-    assert_no_worker_left(tag)
+    assert "on notice" not in text, text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the GPU check)")
+def test_a_cuda_worker_told_to_stop_saves_its_step_asynchronously(tmp_path: Path) -> None:
+    """The state on the GPU, an asynchronous save (a pinned copy on a stream of its own):
+    the hold waits for the copy, and the step reached is the one kept."""
+    tag = f"notice-{uuid.uuid4().hex}"
+    text = stopped(
+        tmp_path, "step=15 rank=0", "--nproc-per-node", "1", "--checkpoint-memory", "64MB",
+        worker("notice_steps.py"), "0.05", "10", tag, "cuda", tag=tag,
+    )  # fmt: skip
+    reached = max(int(s) for s in re.findall(r"step=(\d+) rank=0 world=1 at=", text))
+    saved = re.search(r"saved on notice at step (\d+)", text)
+    assert saved and int(saved.group(1)) == reached, text

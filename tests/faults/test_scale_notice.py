@@ -144,3 +144,20 @@ def test_a_node_never_ready_gives_up(backend: Backend, tmp_path: Path) -> None:
     assert "was not ready to start workers within ready_timeout=1 s" in joined, joined
     assert "Traceback" not in joined, joined
     assert "world=2" not in text, text
+
+
+@on_backends("c10d")
+def test_with_warm_start_off_a_node_is_ready_once_its_agent_is_up(
+    backend: Backend, tmp_path: Path
+) -> None:
+    job = Job(backend, tmp_path)
+    try:
+        a = job.start("a")
+        wait_for_steps(a, world=1, count=1)
+        b = job.start("b", "--warm-start", "off", "--preload", "slow_import")
+        wait_for_steps(a, world=2, count=1)
+        joined = b.read_text()
+    finally:
+        job.close()
+    assert "importing" not in joined, joined  # nothing to preload: no wait for it
+    assert "warm start is off" in joined, joined

@@ -129,10 +129,11 @@ class Agent:
         self.progress = Progress(None if self.watchdog is None else self.watchdog.beat)
         self._stragglers: tuple[str, ...] = ()  # the nodes found slow in this attempt
         self._named = False  # whether this node was named a straggler in this attempt
-        # Saves on notice (SIGTERM): when there are checkpoints to save.
+        # Saves on notice (SIGTERM): when there are checkpoints to save. The file goes in
+        # node memory when there is some (never a network file system, gone with it).
         self.notice: SaveNotice | None = None
         if config.checkpoint_dir or config.checkpoint_memory:
-            self.notice = SaveNotice(self.run_dir)
+            self.notice = SaveNotice(self.run_dir if self.memory is None else self.memory.path)
         self._worker_events = Receiver(
             self._worker_event,
             heartbeat=self.progress.beat,

@@ -6,7 +6,7 @@ agent's preloaded interpreter up, the newest memory checkpoint fetched from a me
 while the job trains on, and only then joins. While it waits it says what it is doing
 (``ready/<n>`` under the run's keys, which ``rallypoint rendezvous status`` lists, and
 a log line when that changes); one that is not ready within ``ready_timeout`` gives up.
-A node that comes while no round runs (a new job, a round forming) joins at once.
+A node that comes to a new job (no round has closed yet) joins at once.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 from rallypoint.interfaces import RendezvousTimeout, StoreError
 from rallypoint.rendezvous import calls, records
 from rallypoint.rendezvous.calls import Steps
+from rallypoint.rendezvous.generations import CLOSED_LOOKBACK
 from rallypoint.rendezvous.keys import Keys
 from rallypoint.rendezvous.node import NodeState
 
@@ -36,16 +37,20 @@ SAY_EVERY = 5.0
 
 
 def running_round(node: NodeState) -> Steps[records.RoundRecord | None]:
-    """The record of the round the job is training in, if one is (closed, without error,
-    a member alive) and this node is not in it."""
+    """The record of the round the job trained in last, if it has trained (the newest
+    closed round, without error, a member alive) and this node is not in it. The job may
+    be between rounds (a member left): it forms the next without the newcomer, and trains
+    on while the newcomer gets ready, rather than wait in that round for its start-up."""
     keys = node.view.keys
     round_ = records.decode_state(keys.state(), (yield from calls.get(keys.state())))
-    key = keys.of_round(round_, "closed")
-    raw = yield from calls.get(key)
-    if not raw:
-        return None
+    back = list(range(round_, max(-1, round_ - CLOSED_LOOKBACK), -1))
+    closed = [keys.of_round(r, "closed") for r in back]
+    values = yield from calls.get_many(closed)
+    found = [(key, raw) for key, raw in zip(closed, values, strict=True) if raw]
+    if not found:
+        return None  # a new job: every node joins at once, importing meanwhile
     try:
-        record = records.decode_round(key, raw)
+        record = records.decode_round(*found[0])
     except StoreError:
         return None
     if record.error or node.node_id in record.node_ids:
