@@ -119,8 +119,9 @@ reliability: install servers
 	$(PY) docs/gen_reliability.py
 
 DEMO_DIR := .demo
-# Two nodes on this machine (c10d): node a trains alone, node b joins (world size 4), node b
-# is SIGKILLed and node a finishes alone; each round resumes from the newest checkpoint.
+# Two nodes on this machine (c10d): node a trains alone, node b gets ready beside it and
+# joins (world size 4), node b is SIGKILLed and node a finishes alone; each round resumes
+# from the newest checkpoint.
 # Then where the job's time went, from both nodes' event logs (docs/report.md).
 demo: install
 	$(PY) examples/elastic_demo.py --dir $(DEMO_DIR)
@@ -137,6 +138,7 @@ bench: install
 	$(PY) benchmarks/bench_memory.py
 	$(PY) benchmarks/bench_metrics.py
 	$(PY) benchmarks/bench_goodput.py
+	$(PY) benchmarks/bench_scale.py
 
 clean:
 	rm -rf $(VENV) $(LATEST) $(LOWEST) site .pytest_cache .mypy_cache .ruff_cache $(DEMO_DIR)

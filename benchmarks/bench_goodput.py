@@ -1,11 +1,18 @@
-"""Goodput under failures, rallypoint against torchrun: steps kept despite SIGKILLs.
+"""Goodput under failures, rallypoint against torchrun: SIGKILLs and a preemption notice.
 
-The steps a job keeps in a fixed wall time while a worker is SIGKILLed every 30 s and a
-node every 90 s, against the same job without failures, under rallypoint and torchrun side
-by side in one run; docs/benchmarks-goodput.md says how.
+The steps a job keeps in a fixed wall time under a schedule of failures, against the same
+job without failures, under rallypoint and torchrun side by side in one run. The schedule
+(``schedule``): every ``--node-every`` s (60) the second node, by turns SIGKILLed (the
+machine lost) and told to stop with SIGTERM to its agent alone (a preemption notice, as
+Kubernetes or Slurm gives it: rallypoint's job saves on notice, torchrun's agent forwards
+it to its workers), each time started again at once (a join); every ``--worker-every`` s
+(30) a worker SIGKILLed, but not within ``QUIET`` s of a node's event. A default 180 s run:
+a worker at 30 s, the node SIGKILLed at 60 s, a worker at 90 s, the node SIGTERMed at
+120 s, a worker at 150 s. docs/benchmarks-goodput.md says how.
 
     .venv/bin/python benchmarks/bench_goodput.py [--seconds 180]
-    .venv/bin/python benchmarks/bench_goodput.py --seconds 40       # a short try
+    .venv/bin/python benchmarks/bench_goodput.py --seconds 70 --node-every 30 --worker-every 0
+                                                                    # a short try, both kinds
     .venv/bin/python benchmarks/bench_goodput.py --render-only
 """
 
@@ -32,13 +39,22 @@ from common import BIN, HOST, ROOT
 
 TRAIN = ROOT / "benchmarks" / "goodput_train.py"
 LAUNCHERS = tuple(common.LAUNCHERS)
-TARGET = 0.95  # rallypoint's goodput under the schedule, warm start and memory checkpoints
+#: rallypoint's goodput at its own pace under the schedule (a node's SIGKILL and a SIGTERM,
+#: each with a join, and the workers' SIGKILLs), warm start and memory checkpoints.
+TARGET = 0.97
 OPTIONS = {
     "seconds": (180.0, "wall time of each run, from the job's first step"),
-    "worker_every": (30.0, "seconds between SIGKILLs of one worker"),
-    "node_every": (90.0, "seconds between SIGKILLs of the second node, started again at once"),
+    "worker_every": (30.0, "seconds between SIGKILLs of one worker (0: none)"),
+    "node_every": (
+        60.0,
+        "seconds between events of the second node, SIGKILL and SIGTERM by turns, each "
+        "followed by its start again at once (0: none)",
+    ),
     "step_seconds": (0.3, "length of a training step"),
-    "nnodes": ("2", "--nnodes of both launchers"),
+    "save_every": (1, "the script saves every N steps (and on notice under rallypoint)"),
+    # Elastic, as jobs whose nodes come and go run: a survivor trains on alone while a
+    # replacement gets ready (with a fixed size it waits for the replacement's start-up).
+    "nnodes": ("1:2", "--nnodes of both launchers"),
     "memory": ("64MB", "rallypoint's --checkpoint-memory"),
     "preload": ("", "rallypoint's --preload (empty: none; torch._dynamo comes by itself)"),
     "keep": ("", "keep every run's logs and event logs under this directory"),
@@ -59,6 +75,11 @@ STORE_WAIT = 60.0  # seconds for the first agent (or redis-server) to open the s
 TARGET_WAIT = 30.0  # seconds a kill waits for its worker to be running
 START_CAP = 180.0  # seconds from the start for the job's first step
 CLEANUP_WAIT = 30.0  # seconds for killed processes to disappear
+#: Seconds an agent sent SIGTERM is given to exit by itself (its workers save on notice,
+#: then stop; rallypoint's --shutdown-timeout, 30 s by default, bounds each of its waits)
+#: before what is left of it is SIGKILLed.
+TERM_WAIT = 60.0
+QUIET = 10.0  # no worker is SIGKILLed within this many seconds of a node's event
 STALL = 3.0  # a gap between two steps over this many median steps is a stall
 DONE = re.compile(r"done step=(\d+) world=(\d+) at=([\d.]+)")
 RESUMED = re.compile(r"resumed step=(\d+) world=\d+ rank=0 at=([\d.]+)")
@@ -69,25 +90,30 @@ START = re.compile(r"start tag=(\S+) rank=(\d+) local=(\d+) world=\d+ pid=(\d+) 
 
 
 def schedule(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The failures of a run, by seconds from its first step: a node at every multiple of
-    ``node_every``, a worker at every other multiple of ``worker_every``; the k-th worker
-    kill takes local rank ``k // 2 % 2`` of node ``k % 2``; a node kill the second node
-    (the first hosts torchrun's c10d store, which its job cannot lose)."""
-    times: dict[float, str] = {}
-    for every, kind in ((args.worker_every, "worker"), (args.node_every, "node")):
-        if every > 0:
-            at = every
-            while at < args.seconds - 1e-6:
-                times[round(at, 3)] = kind  # a node kill replaces a worker kill at once
-                at += every
-    events, workers = [], 0
-    for at, kind in sorted(times.items()):
-        if kind == "worker":
-            events.append({"at": at, "kind": kind, "node": workers % 2, "local": workers // 2 % 2})
-            workers += 1
-        else:
-            events.append({"at": at, "kind": kind, "node": 1})
-    return events
+    """The failures of a run, by seconds from its first step. At every multiple of
+    ``node_every`` an event of the second node (the first hosts torchrun's c10d store, which
+    its job cannot lose), by turns a SIGKILL (the first, the third, ...) and a SIGTERM to its
+    agent alone (a preemption notice), each followed by the node's start again at once (a
+    join). At every multiple of ``worker_every`` not within ``QUIET`` s of a node's event,
+    a worker's SIGKILL; the k-th takes local rank ``k // 2 % 2`` of node ``k % 2``."""
+
+    def multiples(every: float) -> list[float]:
+        found, at = [], every
+        while every > 0 and at < args.seconds - 1e-6:
+            found.append(round(at, 3))
+            at += every
+        return found
+
+    nodes = multiples(args.node_every)
+    events: list[dict[str, Any]] = [
+        {"at": at, "kind": "node", "node": 1, "signal": "SIGTERM" if k % 2 else "SIGKILL"}
+        for k, at in enumerate(nodes)
+    ]
+    workers = [a for a in multiples(args.worker_every) if all(abs(a - n) >= QUIET for n in nodes)]
+    for k, at in enumerate(workers):
+        events.append({"at": at, "kind": "worker", "node": k % 2, "local": k // 2 % 2,
+                       "signal": "SIGKILL"})  # fmt: skip
+    return sorted(events, key=lambda event: float(event["at"]))
 
 
 # --- processes ----------------------------------------------------------------------------
@@ -133,6 +159,7 @@ class Agent:
     events: Path | None
     started: float
     killed: float | None = None
+    terminated: float | None = None  # when it was sent SIGTERM
     exit_code: int | None = None
 
 
@@ -187,6 +214,38 @@ class Node:
         common.kill_tagged(self.tag, CLEANUP_WAIT)  # anything re-parented meanwhile
         return killed
 
+    def terminate(self) -> tuple[Agent, float, list[int]]:
+        """A preemption notice: SIGTERM to the agent alone, as Kubernetes or Slurm sends it
+        (the agent forwards it to its workers); the agent, when, and the processes below it
+        then."""
+        agent = self.current
+        pids = [agent.process.pid, *descendants(agent.process.pid)]
+        agent.terminated = time.time()
+        with contextlib.suppress(ProcessLookupError):
+            agent.process.send_signal(signal.SIGTERM)
+        return agent, agent.terminated, pids
+
+    def reap(self, agent: Agent, pids: list[int], wait: float) -> dict[str, Any]:
+        """Wait up to ``wait`` s for ``agent``, sent SIGTERM, to exit by itself; then SIGKILL
+        what is left of it (``pids``, the processes below it at the SIGTERM, and those
+        below it now), not by its tag: the node's new agent carries it too. Its exit code,
+        the seconds from the SIGTERM to its exit, and how many processes were left."""
+        assert agent.terminated is not None
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            agent.exit_code = agent.process.wait(timeout=wait)
+        exited = time.time() if agent.exit_code is not None else None
+        if agent.exit_code is None:
+            pids = [*pids, *descendants(agent.process.pid)]
+        left = [pid for pid in dict.fromkeys(pids) if alive(pid, "")]
+        signal_all(left, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            agent.exit_code = agent.process.wait(timeout=CLEANUP_WAIT)
+        return {
+            "exit_code": agent.exit_code,
+            "exit_seconds": None if exited is None else exited - agent.terminated,
+            "left": len(left),
+        }
+
     def stop(self) -> None:
         for agent in self.agents:
             if agent.process.poll() is None:
@@ -223,7 +282,8 @@ def commands(
         features = ["--checkpoint-memory", args.memory, "--checkpoint-dir", ckpt,
                     "--event-log", "EVENT_LOG"]  # fmt: skip
         features += ["--preload", args.preload] if args.preload else []
-    script = [str(TRAIN), "--step-seconds", str(args.step_seconds), "--tag", "TAG"]
+    script = [str(TRAIN), "--step-seconds", str(args.step_seconds),
+              "--save-every", str(args.save_every), "--tag", "TAG"]  # fmt: skip
     return [*common.LAUNCHERS[launcher], *rendezvous, *features, *script]
 
 
@@ -278,8 +338,7 @@ def run_once(
     finally:
         ended = time.time()
         # Whether an agent gave up before the deadline (torchrun's, say): its exit code.
-        exits = [[a.process.poll() if a.killed is None else "killed" for a in node.agents]
-                 for node in nodes]  # fmt: skip
+        exits = [[exit_of(a) for a in node.agents] for node in nodes]
         for node in nodes:
             node.stop()
         leftovers = common.kill_tagged(base, CLEANUP_WAIT)
@@ -315,6 +374,14 @@ def run_once(
     return result
 
 
+def exit_of(agent: Agent) -> int | str | None:
+    """How an agent ended: ``killed`` (SIGKILLed), ``terminated`` (sent SIGTERM: its exit is
+    in the schedule's record), or its exit code (None: still running)."""
+    if agent.killed is not None:
+        return "killed"
+    return "terminated" if agent.terminated is not None else agent.process.poll()
+
+
 def first_step(nodes: list[Node], until: float) -> float:
     """When the job did its first step (the worker's clock)."""
     while time.time() < until:
@@ -338,6 +405,12 @@ def kill(
     node = nodes[planned["node"]]
     done = dict(planned)
     done["ranks"] = ranks_of(node)
+    if planned["kind"] == "node" and planned.get("signal") == "SIGTERM":
+        agent, at, pids = node.terminate()
+        done["at"] = at - began
+        node.start()  # another process: the new machine starts while the old one stops
+        done.update(node.reap(agent, pids, TERM_WAIT))
+        return done
     if planned["kind"] == "node":
         done["at"] = node.kill() - began
         node.start()
@@ -364,9 +437,24 @@ def ranks_of(node: Node) -> dict[int, int]:
 def show_kill(done: dict[str, Any]) -> str:
     if done.get("skipped"):
         return f"{done['kind']} kill skipped: {done['skipped']}"
+    kind = done.get("signal", "SIGKILL")
     if done["kind"] == "node":
-        return f"SIGKILL node {done['node']} (ranks {sorted(done['ranks'])}), started again"
-    return f"SIGKILL worker rank {done.get('rank')} (node {done['node']})"
+        shown = f"{kind} node {done['node']} (ranks {sorted(done['ranks'])}), started again"
+        if kind == "SIGTERM":
+            shown += f"; {agent_exit(done)}"
+        return shown
+    return f"{kind} worker rank {done.get('rank')} (node {done['node']})"
+
+
+def agent_exit(done: dict[str, Any]) -> str:
+    """What became of the agent sent SIGTERM, in words."""
+    if done.get("exit_seconds") is None:
+        words = f"its agent had not exited {TERM_WAIT:.0f} s after the SIGTERM"
+    else:
+        words = f"its agent exited ({done['exit_code']}) {done['exit_seconds']:.1f} s after it"
+    if done.get("left"):
+        words += f", {done['left']} of its processes SIGKILLed then"
+    return words
 
 
 def shown(command: list[str], env: dict[str, str], ckpt: str) -> str:
@@ -514,6 +602,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "goodput": failed["steps"] / clean["steps"] if clean["steps"] else None,
             "pace_goodput_clean": (clean["pace"] or {}).get("goodput"),
             "pace_goodput_faults": (failed["pace"] or {}).get("goodput"),
+            "by_event": by_event(failed["kills"]),
         }
     return {
         "git": common.git_state("core"),
@@ -523,6 +612,36 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "summary": summary,
         "runs": runs,
     }
+
+
+def event_name(event: dict[str, Any]) -> str:
+    """A failure's kind: ``worker SIGKILL``, ``node SIGKILL`` or ``node SIGTERM``."""
+    return f"{event['kind']} {event.get('signal', 'SIGKILL')}"
+
+
+def by_event(kills: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per kind of failure (``event_name``): how many happened, the steps redone after
+    them (in all, of those whose resumed step is known; None: of none), and the mean
+    seconds from the signal to a new step (of those that got one; ``never``: how many did
+    not)."""
+    found: dict[str, dict[str, Any]] = {}
+    for done in kills:
+        if "at" not in done:
+            continue  # skipped
+        entry = found.setdefault(
+            event_name(done), {"count": 0, "redone": None, "seconds": [], "never": 0}
+        )
+        entry["count"] += 1
+        if done.get("redone") is not None:
+            entry["redone"] = (entry["redone"] or 0) + done["redone"]
+        if done.get("seconds_to_new_step") is None:
+            entry["never"] += 1
+        else:
+            entry["seconds"].append(done["seconds_to_new_step"])
+    for entry in found.values():
+        seconds = entry.pop("seconds")
+        entry["mean_seconds_to_new_step"] = statistics.fmean(seconds) if seconds else None
+    return found
 
 
 # --- the page -----------------------------------------------------------------------------
@@ -547,10 +666,12 @@ def chart(results: dict[str, Any]) -> None:
                    color=common.COLORS[launcher], label=label, linewidth=1.6)  # fmt: skip
     for planned in results["schedule"]:
         node = planned["kind"] == "node"
-        steps.axvline(planned["at"], color="#d62728", alpha=0.6 if node else 0.25,
+        color = "#ff7f0e" if planned.get("signal") == "SIGTERM" else "#d62728"
+        steps.axvline(planned["at"], color=color, alpha=0.6 if node else 0.25,
                       linewidth=1.5 if node else 0.8, linestyle="-" if node else "--")  # fmt: skip
     steps.set_xlabel(
-        "seconds from the job's first step (red: a worker SIGKILLed, dashed; a node, solid)"
+        "seconds from the job's first step (red dashed: a worker SIGKILLed; "
+        "solid: a node SIGKILLed, red, or SIGTERMed, orange)"
     )
     steps.set_ylabel("steps kept (newest step done)")
     steps.set_title("Training progress, two nodes of two workers", fontsize=10)
@@ -584,14 +705,18 @@ def render(results: dict[str, Any]) -> dict[str, list[str]]:
         f"- Python {results['python']}, torch {results['torch']}; rallypoint {results['git']}",
         f"- Load average (1, 5, 15 min) before the run: {results['load_before']}; after: "
         f"{results['load_after']}",
-        f"- {settings['seconds']:.0f} s per run; a worker SIGKILLed every "
-        f"{settings['worker_every']:.0f} s, the second node every {settings['node_every']:.0f} s "
-        f"(started again at once); {settings['step_seconds']} s steps",
+        f"- {settings['seconds']:.0f} s per run; {described(results['schedule'])}; "
+        f"{settings['step_seconds']} s steps, saved {saves(settings.get('save_every', 1))}",
     )
     summary = results["summary"]
     rows = []
     for launcher, s in summary.items():
-        target = f"at least {results['target']:.0%}" if launcher == "rallypoint" else "measured"
+        target = "measured"
+        if launcher == "rallypoint":
+            reached = (s["pace_goodput_faults"] or 0.0) >= results["target"]
+            target = (
+                f"at least {results['target']:.0%} at its pace: {'met' if reached else 'not met'}"
+            )
         rows.append([launcher, s["steps_clean"], s["steps_faults"], percent(s["goodput"]),
                      f"{percent(s['pace_goodput_clean'])} / **{percent(s['pace_goodput_faults'])}**",
                      target])  # fmt: skip
@@ -606,16 +731,31 @@ def render(results: dict[str, Any]) -> dict[str, list[str]]:
     for index, planned in enumerate(results["schedule"]):
         what = (f"node {planned['node']}" if planned["kind"] == "node"
                 else f"a worker of node {planned['node']}")  # fmt: skip
+        what = f"{planned.get('signal', 'SIGKILL')} {what}"
         cells = [f"{planned['at']:.0f} s", what]
         for launcher in summary:
             done = kills.get(launcher, [])
             cells.append(failure_cell(done[index] if index < len(done) else None))
         failure_rows.append(cells)
     failures = common.table(
-        "at | SIGKILL | "
+        "at | failure | "
         + " | ".join(f"{n}: steps redone, seconds to a new step" for n in summary),
         failure_rows,
     )
+    # The same, per kind of failure: the steps redone in all, the mean seconds.
+    kinds = {name: by_event(done) for name, done in kills.items()}
+    kind_rows = []
+    for kind in dict.fromkeys(event_name(e) for e in results["schedule"]):
+        cells = [kind]
+        for launcher in summary:
+            entry = kinds.get(launcher, {}).get(kind)
+            cells.append("not reached" if entry is None else kind_cell(entry))
+        kind_rows.append(cells)
+    failures += ["", *common.table(
+        "kind | " + " | ".join(f"{n}: failures, steps redone, mean seconds to a new step"
+                               for n in summary),
+        kind_rows,
+    )]  # fmt: skip
     phase_rows = []
     accounts = {r["faults"]: r["account"] for r in results["runs"].values() if "account" in r}
     if accounts:
@@ -638,20 +778,26 @@ def render(results: dict[str, Any]) -> dict[str, list[str]]:
                           f"{account['failures']} failures, {account['steps_redone']} steps redone")  # fmt: skip
         phase_rows.append(totals)
     phase_table = common.table("phase | no failures | failures", phase_rows)
-    checks = []
+    checks, notices = [], []
     for name, run in results["runs"].items():
         notes = []
         if run.get("error"):
             notes.append(run["error"])
         if run["leftovers"]:
             notes.append(f"{run['leftovers']} processes left after the cleanup")
-        exits = [e for node in run["exits"] for e in node if e not in ("killed", None)]
+        ended = [e for node in run["exits"] for e in node]
+        exits = [e for e in ended if e not in ("killed", "terminated", None)]
         if exits:
             notes.append(f"agents exited on their own: {exits}")
         if notes:
             checks.append(f"- {name}: {'; '.join(notes)}")
+        told = [done for done in run["kills"] if done.get("signal") == "SIGTERM" and "at" in done]
+        for done in told:  # the agents sent SIGTERM, which were to exit by themselves
+            notices.append(f"- {name}: node {done['node']} sent SIGTERM at {done['at']:.0f} s, "
+                           f"{agent_exit(done)}")  # fmt: skip
     if not checks:
         checks.append("- No agent exited on its own, and no process was left after any run.")
+    checks += notices
     startup = []
     for launcher in summary:
         seconds = [results["runs"].get(f"{launcher}-{kind}", {}).get("startup_seconds")
@@ -675,6 +821,30 @@ def render(results: dict[str, Any]) -> dict[str, list[str]]:
 
 def percent(value: float | None) -> str:
     return common.number(None if value is None else value * 100, " %", 1)
+
+
+def described(events: list[dict[str, Any]]) -> str:
+    """The schedule in words: the workers' SIGKILLs, then the node's events."""
+    workers = [f"{e['at']:.0f}" for e in events if e["kind"] == "worker"]
+    nodes = [
+        f"{e.get('signal', 'SIGKILL')} at {e['at']:.0f} s" for e in events if e["kind"] == "node"
+    ]
+    parts = [f"a worker SIGKILLed at {', '.join(workers)} s" if workers else "no worker killed"]
+    parts.append(f"the second node: {', '.join(nodes)} (each time started again at once)"
+                 if nodes else "no node event")  # fmt: skip
+    return "; ".join(parts)
+
+
+def saves(every: int) -> str:
+    every_n = "every step" if every == 1 else f"every {every} steps"
+    return f"{every_n} (and on notice under rallypoint)"
+
+
+def kind_cell(entry: dict[str, Any]) -> str:
+    seconds = common.number(entry["mean_seconds_to_new_step"], " s", 1)
+    never = f" ({entry['never']} never)" if entry["never"] else ""
+    redone = "n/a" if entry["redone"] is None else entry["redone"]
+    return f"{entry['count']}, {redone}, {seconds}{never}"
 
 
 def failure_cell(done: dict[str, Any] | None) -> str:

@@ -1,14 +1,18 @@
 """The goodput benchmark's training script: the same file under torchrun and rallypoint.
 
 A small MLP trained with Adam on random data, gloo all-reducing its gradients every step,
-its whole state (weights and Adam's moments, about 8 MB) saved after every step with
-``rallypoint.checkpoint``: to node memory under ``rallypoint run --checkpoint-memory``, to
-the directory ``RALLYPOINT_CHECKPOINT_URL`` names under torchrun. A step is the forward
-and backward pass on one CPU thread, a sleep until ``--step-seconds`` from its start (the
-accelerator's share: the CPU waits while it computes), then the all-reduce, the optimizer
-step and the save.
+its whole state (weights and Adam's moments, about 8 MB) saved with ``rallypoint.checkpoint``
+every ``--save-every`` steps (1: every step) and whenever ``checkpoint.should_save`` says so:
+to node memory under ``rallypoint run --checkpoint-memory``, where the agent also asks for a
+save on notice when a node is told to stop (SIGTERM), and to the directory
+``RALLYPOINT_CHECKPOINT_URL`` names under torchrun, where ``should_save`` is just
+``step % every == 0``. A step is the forward and backward pass on one CPU thread, a sleep
+until ``--step-seconds`` from its start (the accelerator's share: the CPU waits while it
+computes), then the all-reduce, the optimizer step, rank 0's ``done`` line and the save
+(after a save on notice, ``save`` returns only if the agent withdraws the notice: it
+stops the worker first).
 
-Usage: goodput_train.py [--steps N] [--step-seconds S] [--tag TAG]
+Usage: goodput_train.py [--steps N] [--step-seconds S] [--save-every N] [--tag TAG]
 
 Prints ``start tag=TAG rank=R local=L world=W pid=P at=T`` once per worker,
 ``resumed step=N world=W rank=R at=T`` after a load, and, on rank 0, ``done step=N world=W at=T``
@@ -27,6 +31,7 @@ from rallypoint import checkpoint
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=1_000_000)
 parser.add_argument("--step-seconds", type=float, default=0.3)
+parser.add_argument("--save-every", type=int, default=1)
 parser.add_argument("--tag", default="")
 parser.add_argument("--hidden", type=int, default=512)
 args = parser.parse_args()
@@ -75,9 +80,10 @@ for step in range(start, args.steps):
         offset += p.numel()
     optimizer.step()
     optimizer.zero_grad()
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-    checkpoint.save(state, step, asynchronous=True)
-    if rank == 0:
+    if rank == 0:  # before the save: a save on notice is the worker's last act
         print(f"done step={step} world={world} at={time.time():.3f}", flush=True)
+    if checkpoint.should_save(step, every=args.save_every):  # every rank asks, every rank saves
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        checkpoint.save(state, step, asynchronous=True)
 checkpoint.wait()
 dist.destroy_process_group()

@@ -3,7 +3,8 @@
 # the project's dependencies (pluggy, typer, python-hostlist; pytest and pytest-xdist for the
 # tests; matplotlib for the chart, else it is left out). From the project's root:
 #   bash benchmarks/gpu-check.sh [tests] [bench]      (none: both)
-#   tests   the arena's, warm start's and warm workers' random state's tests, CUDA ones included;
+#   tests   the arena's, warm start's, warm workers' random state's and saves on notice's
+#           tests, CUDA ones included;
 #           examples/dcp_train.py (FSDP2 on the GPU, DCP into the memory tier) failing once
 #   bench   benchmarks/bench_gpu.py: writes benchmarks/results/gpu.json and docs/benchmarks-gpu.md
 # Logs and the written files go to $OUT (default /tmp/gpu-check). Every step is bounded.
@@ -19,7 +20,8 @@ python3 -m pip install -q --no-deps --no-build-isolation . >"$O/pip.log" 2>&1 ||
 
 if [[ $parts == *" tests "* ]]; then
   timeout 420 python3 -m pytest -p no:cacheprovider -q -rs -n 4 tests/test_arena.py \
-    tests/test_warm_random.py tests/test_warm_start.py >"$O/pytest-gpu.log" 2>&1
+    tests/test_warm_random.py tests/test_warm_start.py tests/test_save_notice.py \
+    >"$O/pytest-gpu.log" 2>&1
   echo "GPU tests exit $?: $(tail -1 "$O/pytest-gpu.log")"
   grep -E "^(FAILED|ERROR|SKIPPED)" "$O/pytest-gpu.log" | head -20
   # One rank (NCCL takes one GPU per rank): it fails at step 20 and resumes from memory.
