@@ -5,8 +5,10 @@ backend, that grows when a node arrives and goes on when one dies.
 
 Both nodes run the same command: ``rallypoint run --nnodes 1:2 --nproc-per-node 2
 --rdzv-backend c10d ... examples/train_digits.py``. Node a starts alone and trains at
-world size 2 (its agent hosts the rendezvous store). Node b starts: both nodes stop their
-workers, meet again and go on from the newest checkpoint at world size 4. Then node b's
+world size 2 (its agent hosts the rendezvous store). Node b starts and gets ready beside
+the running job (its preloaded interpreter imports torch and scikit-learn, it fetches the
+newest memory checkpoint) while node a trains on; then both nodes stop their workers, meet
+again and go on from the newest checkpoint at world size 4, a fraction of a second later. Then node b's
 agent is SIGKILLed, as when its machine dies: its workers die with it, node a's workers
 lose their peers, and node a goes on alone at world size 2 from the newest checkpoint,
 once node b's heartbeat is overdue, and finishes. Neither change uses up a restart. The
@@ -134,6 +136,8 @@ def node_command(name: str, directory: Path, port: int) -> list[str]:
         "--redirects", "2", "--log-dir", str(directory / "logs" / name),
         "--checkpoint-dir", str(directory / "checkpoints"), "--checkpoint-memory", "64MB",
         "--event-log", str(directory / f"events-{name}.jsonl"),
+        # The script imports scikit-learn too: preloaded, no worker pays for its import.
+        "--preload", "sklearn.datasets,sklearn.model_selection",
         str(HERE / "train_digits.py"), "--save-every", "1", "--log-every", "25",
         "--step-seconds", "0.05",
     ]  # fmt: skip
@@ -160,6 +164,19 @@ def steps_lost(event_log: Path, killed: float) -> str:
     return (
         f"node a resumed from {loaded['source']}, {lost} step{'' if lost == 1 else 's'} lost "
         f"(its workers had saved step {saved} when node b was lost; resumed at {loaded['step']})"
+    )
+
+
+def join_pause(event_log: Path) -> str:
+    """How long node b's join held node a's training up: from its workers' last save before
+    the round changed to their first after it (a save every step)."""
+    changed = events(event_log, "workers_restarted")[0]["wall_time"]
+    saves = [e["wall_time"] for e in events(event_log, "checkpoint_saved")]
+    before = max(t for t in saves if t < changed)
+    after = min(t for t in saves if t > changed)
+    return (
+        f"node b's join paused node a for {after - before:.2f} s (node b got ready beside "
+        "the running job first)"
     )
 
 
@@ -231,6 +248,7 @@ def run(directory: Path) -> int:
     if left:
         print(f"demo failed: workers {left} outlived their agents", file=sys.stderr, flush=True)
         return 1
+    print(f"demo: {join_pause(logs[0])}", flush=True)
     print(f"demo: {steps_lost(logs[0], killed)}", flush=True)
     print(
         f"demo done: node a trained at world sizes {', '.join(map(str, sizes))} and finished; "

@@ -106,9 +106,10 @@ def test_a_killed_agent_lease_expires_and_the_survivor_trains_alone(
 
 def test_a_third_node_joins_a_running_job(etcd_server: EtcdServer, tmp_path: Path) -> None:
     logs = [tmp_path / f"node{i}.log" for i in range(3)]
-    # 6 s of training at world size 2: the third agent joins within that window even on
-    # a loaded 2-core machine, where its start competes with the other tests' processes.
-    script = (worker("steps.py"), "6", str(tmp_path))
+    # 12 s of training at world size 2: the third agent gets ready beside the job (imports
+    # torch) and joins within that window even on a loaded 2-core machine, where its start
+    # competes with the other tests' processes (4 s in one such run).
+    script = (worker("steps.py"), "12", str(tmp_path))
     agents = [
         start_agent(etcd_server.endpoint, "1:3", *script, log=log, nproc=1) for log in logs[:2]
     ]

@@ -111,7 +111,8 @@ def test_a_killed_agent_expires_and_the_survivor_trains_on(
 def test_a_node_joining_a_running_job_scales_it_up(redis: RedisServer, tmp_path: Path) -> None:
     endpoint = f"127.0.0.1:{redis.port}"
     first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
-    script = [worker("steps.py"), "5", str(tmp_path)]
+    # Long enough for the second node to get ready beside the job (import torch) and join.
+    script = [worker("steps.py"), "12", str(tmp_path)]
     first = start_agent(endpoint, "job", "1:2", *script, log=first_log)
     second = None
     try:
