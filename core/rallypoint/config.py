@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from rallypoint.errors import UsageError
@@ -37,6 +38,7 @@ from rallypoint.registry import (
 )
 from rallypoint.rendezvous import torch_keys
 from rallypoint.slurm import apply_slurm
+from rallypoint.worker import env
 
 #: torchrun's defaults, kept so that a torchrun command line means the same here.
 DEFAULT_MASTER_PORT = 29500
@@ -129,6 +131,9 @@ class LaunchConfig:
     straggler_factor: float = 1.5
     #: What the agent tells the user once at start (a torch key with no effect here).
     notes: tuple[str, ...] = ()
+    #: The job's secret (``--rdzv-conf token_file=PATH`` or ``RALLYPOINT_JOB_TOKEN``): the
+    #: agents authenticate each other's checkpoint transfers with it. Never printed.
+    job_token: bytes | None = field(default=None, repr=False)
 
     @property
     def elastic(self) -> bool:
@@ -194,6 +199,7 @@ class LaunchConfig:
         )
         values["training_script_args"] = tuple(values.get("training_script_args") or ())
         _parse_torchrun_extras(values)
+        values["job_token"] = job_token(values["rendezvous"].options, os.environ)
         _parse_warm_start(values)
         _parse_checkpoint_memory(values)
         if values.get("shutdown_timeout") is None:
@@ -203,6 +209,36 @@ class LaunchConfig:
         _check_script(values)
         _check_outputs(values)
         return cls(**values)
+
+
+# --- the job's secret -------------------------------------------------------------------------
+
+#: The environment variable that may hold the job's secret (never a flag: ``ps`` shows those).
+TOKEN_ENV = env.JOB_TOKEN
+
+
+def job_token(options: Mapping[str, Any], environ: Mapping[str, str]) -> bytes | None:
+    """The job's secret: the contents of ``token_file`` (surrounding whitespace dropped),
+    else ``RALLYPOINT_JOB_TOKEN``; None when neither is given. A file that is missing,
+    unreadable or empty, or an empty variable, is a usage error."""
+    path = options.get("token_file")
+    if path:
+        where = f"--rdzv-conf token_file={path}"
+        try:
+            token = Path(path).read_bytes().strip()
+        except FileNotFoundError:
+            raise UsageError(f"{where}: no such file.") from None
+        except OSError as error:
+            raise UsageError(f"{where}: cannot read it ({error.strerror or error}).") from None
+        if not token:
+            raise UsageError(f"{where}: the file is empty; put the job's secret in it.")
+        return token
+    raw = environ.get(TOKEN_ENV)
+    if raw is None:
+        return None
+    if not raw.strip():
+        raise UsageError(f"{TOKEN_ENV} is set but empty: give the job's secret, or unset it.")
+    return raw.strip().encode()
 
 
 # --- the plugins the flags choose, each looked up once ----------------------------------------

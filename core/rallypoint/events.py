@@ -43,6 +43,9 @@ CHECKPOINT_LOADED = "checkpoint_loaded"
 #: The agent copied a memory checkpoint (``--checkpoint-memory``) to ``--checkpoint-dir``:
 #: ``step``, ``seconds``, ``bytes``, ``url``.
 CHECKPOINT_PERSISTED = "checkpoint_persisted"
+#: The agent refused a checkpoint transfer that did not prove the job's token
+#: (``--rdzv-conf token_file``): ``peer`` (its address), ``reason``.
+PEER_REFUSED = "peer_refused"
 
 
 @dataclass(frozen=True)

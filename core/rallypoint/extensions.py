@@ -170,6 +170,13 @@ COMMON_RENDEZVOUS_OPTIONS: tuple[ConfigOption, ...] = (
         exclusive_minimum=True,
     ),
     ConfigOption(
+        "token_file",
+        str,
+        None,
+        "a file holding the job's secret, the same on every node (or RALLYPOINT_JOB_TOKEN); "
+        "agents then authenticate each other's checkpoint transfers with it",
+    ),
+    ConfigOption(
         "retry_timeout",
         float,
         60.0,

@@ -161,3 +161,29 @@ def test_with_warm_start_off_a_node_is_ready_once_its_agent_is_up(
         job.close()
     assert "importing" not in joined, joined  # nothing to preload: no wait for it
     assert "warm start is off" in joined, joined
+
+
+@on_backends("c10d")
+def test_agents_with_the_job_token_share_checkpoints_and_refuse_another(
+    backend: Backend, tmp_path: Path
+) -> None:
+    """The peer transfers of a job with a token: its nodes fetch from each other; a node
+    with another token gets nothing, and the node it asked says so once."""
+    mine, other = tmp_path / "token", tmp_path / "other-token"
+    mine.write_text("the job's secret\n")
+    other.write_text("another job's secret\n")
+    job = Job(backend, tmp_path)
+    try:
+        a = job.start("a", conf=f"token_file={mine}")
+        wait_for_steps(a, world=1, count=11)  # a save (every 10 steps) to fetch
+        b = job.start("b", conf=f"token_file={mine}")
+        wait_for_steps(a, world=2, count=1)
+        wait_for_steps(a, world=2, count=11)
+        stray = job.start("stray", conf=f"token_file={other}")
+        wait_for_text(a, "refused a checkpoint transfer from 127.0.0.1: it gave a wrong job token")
+        text, joined, refused = a.read_text(), b.read_text(), stray.read_text()
+    finally:
+        job.close()
+    assert "fetched the job's newest checkpoint" in joined, joined
+    assert "fetched" not in refused, refused
+    assert text.count("refused a checkpoint transfer") == 1, text  # said once

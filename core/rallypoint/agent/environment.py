@@ -71,7 +71,8 @@ def job_environment(config: LaunchConfig, base: Mapping[str, str] | None = None)
         # torchrun's choice: many workers each using every core oversubscribe the host.
         environ.setdefault(env.OMP_NUM_THREADS, "1")
     # Inherited (an agent run by a worker): not this agent's watchdog, nor its memory.
-    for name in (env.PROGRESS_TIMEOUT, env.SAVE_NOTICE, *MEMORY_TIER):
+    # The job's secret is the agents': no worker gets it.
+    for name in (env.PROGRESS_TIMEOUT, env.SAVE_NOTICE, env.JOB_TOKEN, *MEMORY_TIER):
         environ.pop(name, None)
     return environ
 

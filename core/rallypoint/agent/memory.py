@@ -130,16 +130,34 @@ class NodeMemory:
         self._ending = False  # the round ended: its members may be leaving
         self.server: peers.PeerServer | None = None
         self._prefetch: threading.Thread | None = None  # the newest, before a join
+        self._refusals = 0  # transfers refused for want of the job's token
         self._prefetch_last = False  # whether it was started with nothing else to wait for
         if config.max_nodes > 1:
             try:
-                self.server = peers.PeerServer(host, self._find, self._inbox)
+                self.server = peers.PeerServer(
+                    host, self._find, self._inbox, config.job_token, self._refused
+                )
             except OSError as error:
                 shutil.rmtree(self.path, ignore_errors=True)
                 raise CheckpointError(
                     f"--checkpoint-memory: cannot serve memory checkpoints to the other nodes "
                     f"on {host} ({error.strerror or error})"
                 ) from None
+
+    @property
+    def _token(self) -> bytes | None:
+        return self.config.job_token
+
+    def _refused(self, peer: str, why: str) -> None:
+        """A transfer without the job's token was refused: said once, each one counted."""
+        if not self._refusals:
+            logger.warning(
+                "refused a checkpoint transfer from %s: it gave %s (the next refusals are "
+                "counted in the peer_refused events, not logged)",
+                peer, why,
+            )  # fmt: skip
+        self._refusals += 1
+        self._emit(events.PEER_REFUSED, peer=peer, reason=why)
 
     # --- where copies are -----------------------------------------------------------------
 
@@ -251,7 +269,7 @@ class NodeMemory:
                 continue
             began = time.perf_counter()
             try:
-                step, size = peers.get(server, peers.NEWEST, self.peer)
+                step, size = peers.get(server, peers.NEWEST, self.peer, token=self._token)
             except (OSError, ValueError, CheckpointError, mf.Damaged) as error:
                 logger.debug("no newest checkpoint from %s: %s", server, error)
                 continue
@@ -274,7 +292,8 @@ class NodeMemory:
                 continue
             began = time.perf_counter()
             try:
-                _, size = peers.get(server, step, self._inbox(rank, sharded), rank, sharded)
+                inbox = self._inbox(rank, sharded)
+                _, size = peers.get(server, step, inbox, rank, sharded, self._token)
             except (OSError, ValueError, CheckpointError, mf.Damaged) as error:
                 logger.warning("%s not fetched from %s: %s", what, server, error)
                 continue
@@ -325,7 +344,7 @@ class NodeMemory:
         rank, sharded = key
         try:
             with self.copies.hold(step, rank, sharded, or_newer=True) as held:
-                peers.put(server, held, rank, sharded)
+                peers.put(server, held, rank, sharded, self._token)
         except (OSError, ValueError, CheckpointError, mf.Damaged) as error:
             # While the round ends the peer may be leaving (told to stop): no news.
             level = logging.INFO if self._ending else logging.WARNING

@@ -1,22 +1,33 @@
 """Memory checkpoints between agents: each agent serves the copies it holds, and sends its
 newest to the next node of the round, so that the loss of a node loses no checkpoint.
 
-One TCP connection per request. A request is a 4-byte big-endian length and a JSON
-object; ``put`` is followed by the checkpoint's files, in its manifest's order, and
-answered ``{"ok": true}`` once they are written and checked; ``get`` (a step) is answered
-``{"ok": true, "manifest": ...}`` and the files, or ``{"ok": false, "reason": ...}``. The
-receiving side checks every file against the manifest before it keeps the copy. Both
-name the copy: a whole state (rank 0's), or with ``sharded`` a rank's share of one.
+One TCP connection per request. Every message is a 4-byte big-endian length and a JSON
+object. The server speaks first, ``{"nonce": ...}``; then the request; ``put`` is followed
+by the checkpoint's files, in its manifest's order, and answered ``{"ok": true}`` once they
+are written and checked; ``get`` (a step) is answered ``{"ok": true, "manifest": ...}``
+and the files, or ``{"ok": false, "reason": ...}``. The receiving side checks every file
+against the manifest before it keeps the copy. Both name the copy: a whole state (rank
+0's), or with ``sharded`` a rank's share of one.
 
-Like torch's TCPStore, the port is open to whoever can reach the node: it listens on the
-address the node gives the rendezvous, on a network the job's nodes share.
+With a job token (``--rdzv-conf token_file``, ``RALLYPOINT_JOB_TOKEN``) both sides prove
+that they know it, challenge and response: the request carries the client's nonce and an
+HMAC-SHA256, keyed with the token, of both nonces and the request; the answer an HMAC of
+both nonces and the answer. A request without a valid proof is refused (``refused`` is
+called: the agent logs the first and counts them all); a client drops an answer without
+one, so that no stray process can take or feed a node a checkpoint. The files are bound
+by the manifest's checksums, which the proofs cover. Without a token the port is open to
+whoever can reach the node, like torch's TCPStore: it listens on the address the node
+gives the rendezvous, on a network the job's nodes share.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import json
 import logging
+import secrets
 import socket
 import socketserver
 import struct
@@ -62,6 +73,33 @@ def _send_files(stream: BinaryIO, held: Held) -> None:
                 stream.write(chunk)
 
 
+def _proof(token: bytes, purpose: str, first: str, second: str, message: dict[str, Any]) -> str:
+    """The HMAC of a message and the nonces of both sides: ``purpose`` ("request",
+    "answer") keeps an answer from being replayed as a request."""
+    body = json.dumps(message, sort_keys=True, separators=(",", ":"))
+    text = "\n".join((purpose, first, second, body)).encode()
+    return hmac.new(token, text, hashlib.sha256).hexdigest()
+
+
+def _signed(
+    token: bytes | None, purpose: str, nonces: tuple[str, str], message: dict[str, Any]
+) -> dict[str, Any]:
+    if token is None:
+        return message
+    return {**message, "proof": _proof(token, purpose, *nonces, message)}
+
+
+def _verified(
+    token: bytes | None, purpose: str, nonces: tuple[str, str], message: dict[str, Any]
+) -> bool:
+    """Whether ``message`` carries a valid proof (always, without a token)."""
+    if token is None:
+        return True
+    given = message.pop("proof", None)
+    wanted = _proof(token, purpose, *nonces, message)
+    return isinstance(given, str) and hmac.compare_digest(given, wanted)
+
+
 #: Finds the copy of ``(step, rank, sharded)`` a node holds, held while in use.
 Find = Callable[[int, int, bool], AbstractContextManager[Held]]
 
@@ -71,9 +109,18 @@ class PeerServer:
     holds), and keeps what peers send in ``inbox(rank, sharded)``. Listens on ``host``, a
     free port."""
 
-    def __init__(self, host: str, find: Find, inbox: Callable[[int, bool], Tier]) -> None:
+    def __init__(
+        self,
+        host: str,
+        find: Find,
+        inbox: Callable[[int, bool], Tier],
+        token: bytes | None = None,
+        refused: Callable[[str, str], object] = lambda peer, why: None,
+    ) -> None:
         self.find = find
         self.inbox = inbox
+        self.token = token
+        self.refused = refused  # (the peer's address, why): a request without the token
         self._lock = threading.Lock()  # one copy written into the inbox at a time
         owner = self
 
@@ -82,7 +129,8 @@ class PeerServer:
 
             def handle(self) -> None:
                 with contextlib.suppress(OSError, ValueError, ConnectionError):
-                    owner._serve(self.rfile, self.wfile)  # type: ignore[arg-type]
+                    peer = str(self.client_address[0])
+                    owner._serve(self.rfile, self.wfile, peer)  # type: ignore[arg-type]
 
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         server_class = type(
@@ -102,8 +150,23 @@ class PeerServer:
         self._server.shutdown()
         self._server.server_close()
 
-    def _serve(self, reader: BinaryIO, writer: BinaryIO) -> None:
+    def _serve(self, reader: BinaryIO, writer: BinaryIO, peer: str) -> None:
+        mine = secrets.token_hex(16)
+        _send(writer, {"nonce": mine, "token": self.token is not None})
+        writer.flush()
         request = _receive(reader)
+        theirs = str(request.get("nonce", ""))
+        proved = "proof" in request
+        if not _verified(self.token, "request", (mine, theirs), request):
+            why = "a wrong job token" if proved else "no job token"
+            self.refused(peer, why)
+            _send(writer, {"ok": False, "reason": "refused: this job's token is required"})
+            writer.flush()
+            return
+
+        def answer(message: dict[str, Any]) -> None:
+            _send(writer, _signed(self.token, "answer", (theirs, mine), message))
+
         rank, sharded = int(request.get("rank", 0)), bool(request.get("sharded", False))
         if request.get("op") == "put":
             manifest = mf.Manifest.decode(str(request["manifest"]).encode())
@@ -113,41 +176,68 @@ class PeerServer:
                         manifest, lambda _file: contextlib.nullcontext(reader)
                     )
             except Exception as error:  # a damaged or cut copy: the one before stays
-                _send(writer, {"ok": False, "reason": str(error)})
+                answer({"ok": False, "reason": str(error)})
                 return
-            _send(writer, {"ok": True})
+            answer({"ok": True})
         elif request.get("op") == "get":
             step = int(request["step"])
             with contextlib.suppress(mf.Damaged), self.find(step, rank, sharded) as held:
-                _send(writer, {"ok": True, "manifest": held.manifest.encode().decode()})
+                answer({"ok": True, "manifest": held.manifest.encode().decode()})
                 _send_files(writer, held)
                 return
-            _send(writer, {"ok": False, "reason": f"no complete copy of step {step} here"})
+            answer({"ok": False, "reason": f"no complete copy of step {step} here"})
         writer.flush()
 
 
+class _Client:
+    """One request to a peer: its nonce and ours, the token, the streams."""
+
+    def __init__(self, reader: BinaryIO, writer: BinaryIO, token: bytes | None) -> None:
+        self.reader, self.writer, self.token = reader, writer, token
+        hello = _receive(reader)
+        if token is not None and not hello.get("token"):
+            raise ConnectionError(
+                "the peer does not ask for this job's token: not one of its agents"
+            )
+        self.nonces = (str(hello.get("nonce", "")), secrets.token_hex(16))
+
+    def request(self, message: dict[str, Any]) -> None:
+        message = {**message, "nonce": self.nonces[1]}
+        _send(self.writer, _signed(self.token, "request", self.nonces, message))
+
+    def answer(self) -> dict[str, Any]:
+        """The peer's answer, its proof checked; ConnectionError when refused."""
+        answer = _receive(self.reader)
+        if not answer.get("ok"):  # a refusal carries nothing to trust
+            raise ConnectionError(str(answer.get("reason")))
+        server, client = self.nonces
+        if not _verified(self.token, "answer", (client, server), answer):
+            raise ConnectionError("the peer's answer does not prove this job's token")
+        return answer
+
+
 @contextlib.contextmanager
-def _connect(address: str) -> Iterator[tuple[BinaryIO, BinaryIO]]:
+def _connect(address: str, token: bytes | None) -> Iterator[_Client]:
     host, _, port = address.rpartition(":")
     with (
         socket.create_connection((host.strip("[]"), int(port)), timeout=TIMEOUT) as sock,
         sock.makefile("rb") as reader,
         sock.makefile("wb") as writer,
     ):
-        yield reader, writer
+        yield _Client(reader, writer, token)
 
 
-def put(address: str, held: Held, rank: int = 0, sharded: bool = False) -> None:
+def put(
+    address: str, held: Held, rank: int = 0, sharded: bool = False, token: bytes | None = None
+) -> None:
     """Send the checkpoint ``held`` (``rank``'s share with ``sharded``) to the agent at
-    ``address``."""
-    with _connect(address) as (reader, writer):
+    ``address``; ``token``: the job's, which both prove they know."""
+    with _connect(address, token) as client:
         manifest = held.manifest.encode().decode()
-        _send(writer, {"op": "put", "manifest": manifest, "rank": rank, "sharded": sharded})
-        _send_files(writer, held)
-        writer.flush()
-        answer = _receive(reader)
-    if not answer.get("ok"):
-        raise ConnectionError(str(answer.get("reason")))
+        client.request({"op": "put", "manifest": manifest, "rank": rank, "sharded": sharded})
+        _send_files(client.writer, held)
+        client.writer.flush()
+        client.answer()
 
 
 #: The step a ``get`` asks for to have the newest whole state the peer holds.
@@ -155,16 +245,20 @@ NEWEST = -1
 
 
 def get(
-    address: str, step: int, into: Tier, rank: int = 0, sharded: bool = False
+    address: str,
+    step: int,
+    into: Tier,
+    rank: int = 0,
+    sharded: bool = False,
+    token: bytes | None = None,
 ) -> tuple[int, int]:
     """Fetch the checkpoint of ``step`` (``rank``'s share with ``sharded``; NEWEST: the
     newest whole state) from the agent at ``address`` into ``into``; its step, and the
-    bytes fetched."""
-    with _connect(address) as (reader, writer):
-        _send(writer, {"op": "get", "step": step, "rank": rank, "sharded": sharded})
-        writer.flush()
-        answer = _receive(reader)
-        if not answer.get("ok"):
-            raise ConnectionError(str(answer.get("reason")))
+    bytes fetched. ``token``: the job's, which both prove they know."""
+    with _connect(address, token) as client:
+        client.request({"op": "get", "step": step, "rank": rank, "sharded": sharded})
+        client.writer.flush()
+        answer = client.answer()
         manifest = mf.Manifest.decode(str(answer["manifest"]).encode())
-        return manifest.step, into.receive(manifest, lambda _file: contextlib.nullcontext(reader))
+        files = lambda _file: contextlib.nullcontext(client.reader)  # noqa: E731
+        return manifest.step, into.receive(manifest, files)

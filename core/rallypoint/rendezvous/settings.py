@@ -31,6 +31,7 @@ class Settings:
         values = {
             option.name: float(conf.get(option.name, option.default))
             for option in COMMON_RENDEZVOUS_OPTIONS
+            if option.type is float  # the timeouts; token_file is the agent's
         }
         return cls(min_nodes, max_nodes, **values, prefix=str(conf.get("prefix") or DEFAULT_PREFIX))
 

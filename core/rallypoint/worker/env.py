@@ -52,6 +52,8 @@ CHECKPOINT_STEP = "RALLYPOINT_CHECKPOINT_STEP"
 EVENTS_SOCKET = "RALLYPOINT_EVENTS_SOCKET"
 #: The agent's save-on-notice file (``rallypoint.worker.notice``).
 SAVE_NOTICE = "RALLYPOINT_SAVE_NOTICE"
+#: The job's secret, which the agent reads and no worker inherits.
+JOB_TOKEN = "RALLYPOINT_JOB_TOKEN"
 #: Where ``rallypoint.metrics`` records, when a chosen sink exports worker metrics.
 METRICS_DIR = "RALLYPOINT_METRICS_DIR"
 #: ``--watchdog-timeout`` when the watchdog is on: ``rallypoint.heartbeat()`` sends nothing

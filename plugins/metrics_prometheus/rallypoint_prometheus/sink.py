@@ -148,9 +148,16 @@ class PrometheusSink:
             LABELS,
             registry=registry,
         )
+        self.peer_refused = Counter(
+            "rallypoint_peer_transfers_refused",
+            "Checkpoint transfers refused for want of the job's token (--rdzv-conf token_file).",
+            LABELS,
+            registry=registry,
+        )
         # Series that exist from the start, so that increase() sees their first change.
         self.rounds.labels(**self.labels)
         self.checkpoints_skipped.labels(**self.labels)
+        self.peer_refused.labels(**self.labels)
         for cause in ("failure", "membership"):
             self.restarts.labels(**self.labels, cause=cause)
         self.state.labels(**self.labels).set(0)
@@ -233,6 +240,8 @@ class PrometheusSink:
         elif name == sdk.CHECKPOINT_LOADED:
             self.checkpoint_load.labels(**labels).observe(float(data.get("seconds", 0.0)))
             self.checkpoints_skipped.labels(**labels).inc(int(data.get("skipped", 0)))
+        elif name == sdk.PEER_REFUSED:
+            self.peer_refused.labels(**labels).inc()
 
     def close(self) -> None:
         # The last push carries the final state (stopping, restarts, failures): for a short
