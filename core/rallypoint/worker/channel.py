@@ -3,6 +3,8 @@ and heartbeats, for the watchdog (``rallypoint.worker.progress``).
 
 The agent listens on a Unix datagram socket in the abstract namespace (nothing on disk)
 and names it in ``RALLYPOINT_EVENTS_SOCKET``; a worker sends one JSON object per event.
+Such a socket has no file mode, so the agent drops what a process of another user sends
+(the kernel's credentials of each datagram, Linux's ``SO_PASSCRED``).
 Sending never blocks and never fails the worker: without an agent, events are dropped.
 """
 
@@ -13,6 +15,7 @@ import json
 import logging
 import os
 import socket
+import struct
 import threading
 import uuid
 from collections.abc import Callable
@@ -32,6 +35,7 @@ NOTICE_WATCHING = "notice_watching"
 NOTICE_HELD = "notice_held"
 NOTICES = frozenset({NOTICE_WATCHING, NOTICE_HELD})
 _MAX = 65536
+_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 logger = logging.getLogger(__name__)
 
@@ -68,18 +72,36 @@ class Receiver:
         self._heartbeat = heartbeat
         self._notice = notice
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        # An abstract socket has no file mode: any process of the host may send to it.
+        # The kernel names each sender's user (SO_PASSCRED, Linux): only the job's count.
+        self._credentials = hasattr(socket, "SO_PASSCRED")
+        if self._credentials:
+            self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         self._socket.bind("\0" + self.address)
         self._thread = threading.Thread(target=self._receive, daemon=True)
         self._thread.start()
 
+    def _read(self) -> tuple[bytes, bool]:
+        """The next datagram, and whether a process of this agent's user sent it."""
+        if not self._credentials:
+            return self._socket.recv(_MAX), True
+        message, ancillary, _, _ = self._socket.recvmsg(_MAX, socket.CMSG_SPACE(_CREDENTIALS.size))
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                _, uid, _ = _CREDENTIALS.unpack(data[: _CREDENTIALS.size])
+                return message, uid == os.getuid()
+        return message, False
+
     def _receive(self) -> None:
         while True:
             try:
-                message = self._socket.recv(_MAX)
+                message, ours = self._read()
             except OSError:
                 return  # closed
             if not message:
                 return
+            if not ours:
+                continue  # another user's process: never an event of this job
             try:
                 data = json.loads(message)
                 name = data.pop("event")
