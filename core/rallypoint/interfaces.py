@@ -153,10 +153,10 @@ class RendezvousHandler(Protocol):
     """A rendezvous as the agent drives it: what a backend's ``create_handler`` returns.
 
     The first five methods are required. ``gone``, ``fail``, ``paces``, ``give_notice``
-    and ``noticed`` have defaults here (a handler that knows nothing of them): inherit from this class to get them,
-    and override those your rendezvous can answer. The agent calls every method directly;
-    what a handler needs from the agent (a node's offer, its pace) comes in the
-    ``RendezvousRequest``.
+    and ``noticed`` have defaults here (a handler that knows nothing of them): inherit
+    from this class to get them, and override those your rendezvous can answer. The agent
+    calls every method directly; what a handler needs from the agent (a node's offer, its
+    pace, whether it is ready) comes in the ``RendezvousRequest``.
 
     Example::
 

@@ -473,8 +473,7 @@ class Agent:
         and holds there, so that the next round loses nothing. A node told to stop also
         sends its last save to its peer before it leaves. Bounded by --shutdown-timeout."""
         notice = self.notice
-        running = [w.spec.local_rank for w in group.running()]
-        if notice is None or not notice.watched(running):
+        if notice is None or not notice.watched(self._running_ranks(group)):
             return  # no checkpoints, or a script that never asks should_save
         began, reached = time.monotonic(), self.progress.step()
         if reached is None:

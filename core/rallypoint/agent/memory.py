@@ -263,22 +263,19 @@ class NodeMemory:
 
     def _fetch_newest(self, offers: Sequence[Mapping[str, str]]) -> None:
         # Group rank 0 saves whole states: it holds the newest, its next member a copy.
-        for member, offer in enumerate(offers):
-            server = offer.get("server")
-            if not server:
-                continue
-            began = time.perf_counter()
-            try:
-                step, size = peers.get(server, peers.NEWEST, self.peer, token=self._token)
-            except (OSError, ValueError, CheckpointError, mf.Damaged) as error:
-                logger.debug("no newest checkpoint from %s: %s", server, error)
-                continue
+        servers = [
+            (member, offer["server"]) for member, offer in enumerate(offers) if offer.get("server")
+        ]
+        fetched = self._first_copy(
+            servers, peers.NEWEST, 0, False, "the newest checkpoint", logging.DEBUG
+        )
+        if fetched is not None:
+            member, step, size, seconds = fetched
             logger.info(
                 "fetched the job's newest checkpoint (step %d) from group rank %d before "
                 "joining (%s in %.2f s)",
-                step, member, size_text(size), time.perf_counter() - began,
+                step, member, size_text(size), seconds,
             )  # fmt: skip
-            return
 
     def _fetch(
         self, step: int, rank: int, sharded: bool, members: list[int], assignment: Assignment
@@ -286,29 +283,49 @@ class NodeMemory:
         what = (
             f"rank {rank}'s share of checkpoint {step}" if sharded else f"checkpoint of step {step}"
         )
-        for member in members:
-            server = (assignment.offers[member] if assignment.offers else {}).get("server")
-            if not server:
-                continue
-            began = time.perf_counter()
-            try:
-                inbox = self._inbox(rank, sharded)
-                _, size = peers.get(server, step, inbox, rank, sharded, self._token)
-            except (OSError, ValueError, CheckpointError, mf.Damaged) as error:
-                logger.warning("%s not fetched from %s: %s", what, server, error)
-                continue
-            members_ids = assignment.info.members
-            logger.info(
-                "fetched %s from node %s (%s in %.2f s)",
-                what,
-                members_ids[member] if member < len(members_ids) else server,
-                size_text(size),
-                time.perf_counter() - began,
+        offers = assignment.offers or ()
+        servers = [
+            (m, offers[m]["server"]) for m in members if m < len(offers) and offers[m].get("server")
+        ]
+        fetched = self._first_copy(servers, step, rank, sharded, what, logging.WARNING)
+        if fetched is None:
+            logger.warning(
+                "no member could send %s: this node's workers load the newest copy they find", what
             )
             return
-        logger.warning(
-            "no member could send %s: this node's workers load the newest copy they find", what
+        member, _, size, seconds = fetched
+        members_ids = assignment.info.members
+        logger.info(
+            "fetched %s from node %s (%s in %.2f s)",
+            what,
+            members_ids[member] if member < len(members_ids) else dict(servers)[member],
+            size_text(size),
+            seconds,
         )
+
+    def _first_copy(
+        self,
+        servers: Sequence[tuple[int, str]],
+        step: int,
+        rank: int,
+        sharded: bool,
+        what: str,
+        level: int,
+    ) -> tuple[int, int, int, float] | None:
+        """Fetch ``step`` (``rank``'s share with ``sharded``) into this node's inbox from the
+        first of ``servers`` (group rank, address) that sends it: that member, the step,
+        its bytes and the seconds it took; None when none did (each failure said at
+        ``level``, naming ``what``)."""
+        inbox = self._inbox(rank, sharded)
+        for member, server in servers:
+            began = time.perf_counter()
+            try:
+                fetched, size = peers.get(server, step, inbox, rank, sharded, self._token)
+            except (OSError, ValueError, CheckpointError, mf.Damaged) as error:
+                logger.log(level, "%s not fetched from %s: %s", what, server, error)
+                continue
+            return member, fetched, size, time.perf_counter() - began
+        return None
 
     # --- a worker saved -------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from functools import partial
 
 from rallypoint.config import DEFAULT_MASTER_PORT, LaunchConfig
@@ -11,10 +11,10 @@ from rallypoint.extensions import NodeSpec, RendezvousRequest
 from rallypoint.interfaces import RendezvousHandler
 from rallypoint.registry import replace_registration
 from rallypoint.rendezvous.factory import connect, protocol_handler
+from rallypoint.rendezvous.readiness import Ready
 
 Offer = Callable[[], Mapping[str, str]]
 Pace = Callable[[], "float | None"]
-Ready = Callable[[Sequence[Mapping[str, str]]], "str | None"]
 
 
 def request_for(

@@ -70,14 +70,34 @@ def settle(keys: Keys, alive: Alive, nnodes: str = "") -> Steps[Keys]:
             yield from calls.delete_prefix(now.root)
 
 
+def job_round(keys: Keys) -> Steps[int]:
+    """The job's round (one read): 0 while the state key is absent. A new job writes
+    nothing there until its first round ends: when a thousand nodes start at once, none
+    of them has to create the key (a write, which on etcd goes through Raft)."""
+    return records.decode_state(keys.state(), (yield from calls.get(keys.state())))
+
+
+def newest_closed(keys: Keys, round_: int) -> Steps[records.RoundRecord | None]:
+    """The record of the newest closed round up to ``round_``, in one read: rounds that
+    failed to form (a leader died) leave none, so this looks back CLOSED_LOOKBACK rounds.
+    None when there is none, or the newest cannot be read."""
+    back = list(range(round_, max(-1, round_ - CLOSED_LOOKBACK), -1))
+    closed = [keys.of_round(r, "closed") for r in back]
+    for key, raw in zip(closed, (yield from calls.get_many(closed)), strict=True):
+        if raw:
+            with contextlib.suppress(StoreError):
+                return records.decode_round(key, raw)
+            return None
+    return None
+
+
 def inspect(keys: Keys, alive: Alive) -> Steps[tuple[str | None, str]]:
     """Whether the run at ``keys`` was abandoned: how it was left when none of its agents
     (the members of its newest closed round, the joiners of the round it is in) is alive,
     else None (no records, or an agent of it lives, or may: a join number still without
     its record is a node writing it); and its ``--nnodes`` where a record says. A live run
     answers in a few reads: its first joiner is usually alive."""
-    state = yield from calls.get(keys.state())
-    round_ = records.decode_state(keys.state(), state)
+    round_ = yield from job_round(keys)
     first = keys.of_round(round_, "node", 1)
     leader = node_or_none(first, (yield from calls.get(first)))
     nnodes = leader.nnodes if leader else ""
@@ -86,15 +106,9 @@ def inspect(keys: Keys, alive: Alive) -> Steps[tuple[str | None, str]]:
     if leader is not None and (yield from alive(keys.heartbeat(leader.node_id))):
         return None, nnodes
     candidates = [leader.node_id] if leader else []
-    # The newest closed round's members: rounds that failed to form (a leader died) leave
-    # no record, so look back a few, in one read.
-    back = list(range(round_, max(-1, round_ - CLOSED_LOOKBACK), -1))
-    closed = [keys.of_round(r, "closed") for r in back]
-    for key, raw in zip(closed, (yield from calls.get_many(closed)), strict=True):
-        if raw:
-            with contextlib.suppress(StoreError):
-                candidates += records.decode_round(key, raw).node_ids
-            break
+    record = yield from newest_closed(keys, round_)  # the newest closed round's members
+    if record is not None:
+        candidates += record.node_ids
     joined = min((yield from calls.add(keys.of_round(round_, "joined"), 0)), MOST_CHECKED)
     numbers = [keys.of_round(round_, "node", i) for i in range(1, joined + 1)]
     for key, raw in zip(numbers, (yield from calls.get_many(numbers)), strict=True):

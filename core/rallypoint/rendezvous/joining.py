@@ -20,6 +20,7 @@ from rallypoint.interfaces import Assignment, RendezvousFailed, RendezvousTimeou
 from rallypoint.registry import RANK_ASSIGNERS, describe, plugin_failure
 from rallypoint.rendezvous import calls, generations, readiness, records
 from rallypoint.rendezvous.calls import Steps
+from rallypoint.rendezvous.generations import job_round
 from rallypoint.rendezvous.keys import Keys
 from rallypoint.rendezvous.node import NodeState, Watch
 from rallypoint.rendezvous.settings import Settings
@@ -68,13 +69,6 @@ def advance(keys: Keys, from_round: int, expected: int) -> Steps[None]:
     # its own beside the running one).
     if records.decode_state(keys.state(), now or None) > from_round:
         yield from calls.set_(keys.of_round(from_round + 1, "open"), b"1")
-
-
-def job_round(keys: Keys) -> Steps[int]:
-    """The job's round (one read): 0 while the state key is absent. A new job writes
-    nothing there until its first round ends: when a thousand nodes start at once, none
-    of them has to create the key (a write, which on etcd goes through Raft)."""
-    return records.decode_state(keys.state(), (yield from calls.get(keys.state())))
 
 
 def newer_generation(node: NodeState) -> Steps[Keys | None]:

@@ -46,8 +46,10 @@ def read(node: NodeState, proposal: int | None) -> Steps[int | None]:
         return None
     key = keys.of_round(round_, "notice")
     raw = yield from calls.get(key)
-    if raw or proposal is None:
-        return None if not raw else _step(key, raw)
+    if raw:
+        return _step(key, raw)
+    if proposal is None:
+        return None
     expected_key = keys.of_round(round_ + 1, "expected")
     expected = yield from calls.get(expected_key)
     if not expected or (_step(expected_key, expected) or 0) <= len(record.node_ids):

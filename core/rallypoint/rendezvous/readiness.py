@@ -17,10 +17,10 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from rallypoint.interfaces import RendezvousTimeout, StoreError
+from rallypoint.interfaces import RendezvousTimeout
 from rallypoint.rendezvous import calls, records
 from rallypoint.rendezvous.calls import Steps
-from rallypoint.rendezvous.generations import CLOSED_LOOKBACK
+from rallypoint.rendezvous.generations import job_round, newest_closed
 from rallypoint.rendezvous.keys import Keys
 from rallypoint.rendezvous.node import NodeState
 
@@ -42,17 +42,9 @@ def running_round(node: NodeState) -> Steps[records.RoundRecord | None]:
     be between rounds (a member left): it forms the next without the newcomer, and trains
     on while the newcomer gets ready, rather than wait in that round for its start-up."""
     keys = node.view.keys
-    round_ = records.decode_state(keys.state(), (yield from calls.get(keys.state())))
-    back = list(range(round_, max(-1, round_ - CLOSED_LOOKBACK), -1))
-    closed = [keys.of_round(r, "closed") for r in back]
-    values = yield from calls.get_many(closed)
-    found = [(key, raw) for key, raw in zip(closed, values, strict=True) if raw]
-    if not found:
+    record = yield from newest_closed(keys, (yield from job_round(keys)))
+    if record is None:
         return None  # a new job: every node joins at once, importing meanwhile
-    try:
-        record = records.decode_round(*found[0])
-    except StoreError:
-        return None
     if record.error or node.node_id in record.node_ids:
         return None
     for node_id in record.node_ids:

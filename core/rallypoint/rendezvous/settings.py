@@ -21,7 +21,7 @@ class Settings:
     close_timeout: float
     heartbeat_timeout: float
     retry_timeout: float
-    ready_timeout: float = 300.0
+    ready_timeout: float
     prefix: str = DEFAULT_PREFIX
 
     @classmethod

@@ -16,10 +16,11 @@ def read_status(
     store: CoordinationStore, keys: Keys, run_id: str, heartbeat_timeout: float
 ) -> dict[str, Any]:
     """The current round, its members by group rank, nodes waiting for the next round,
-    nodes getting ready beside it, whether each member is alive, and the run's condition: ``forming``, ``running``,
-    ``failed`` (the round's leader could not form it) or ``abandoned`` (no agent of it is
-    alive: it failed or was killed; its next start begins afresh); ``None`` when the store
-    holds nothing of the run (it never started, or finished cleanly and left nothing).
+    nodes getting ready beside it, whether each member is alive, and the run's condition:
+    ``forming``, ``running``, ``failed`` (the round's leader could not form it) or
+    ``abandoned`` (no agent of it is alive: it failed or was killed; its next start begins
+    afresh); ``None`` when the store holds nothing of the run (it never started, or
+    finished cleanly and left nothing).
 
     A store that keeps liveness with counters (TCPStore) can only tell by watching them
     move, so this takes ``heartbeat_timeout / 3`` and a little more on such a store; a

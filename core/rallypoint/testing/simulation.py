@@ -178,6 +178,7 @@ def _job(rng: random.Random) -> tuple[Settings, int]:
         close_timeout=2.0,
         heartbeat_timeout=ttl,
         retry_timeout=rng.choice((20.0, 60.0)),
+        ready_timeout=100_000.0,  # likewise: a node gets ready within the drawn time
         prefix="/rallypoint",
     )
     return settings, nodes
