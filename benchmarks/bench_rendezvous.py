@@ -48,6 +48,8 @@ if TYPE_CHECKING:
     from rallypoint.extensions import RendezvousBackend
     from rallypoint.interfaces import CoordinationStore
 
+#: The job token of the sealed variants (``c10d-sealed``...): any secret costs the same.
+SEALING_TOKEN = b"a job token of 32 bytes, or so.."
 SETUP_TIMEOUT = 180.0  # seconds for all N nodes to connect and be ready
 STORE_TIMEOUT = 300.0  # TCPStore read timeout of every c10d client
 LEFTOVER_GRACE = 60.0  # seconds to wait for the threads of a run that timed out
@@ -239,12 +241,14 @@ def node_factory(
     from rallypoint.rendezvous.protocol import StoreRendezvous
     from rallypoint.rendezvous.settings import Settings
 
-    backend = store_backend(job.name)
+    backend = store_backend(report.store_of(job.name))
     connect = backend.connect
     assert connect is not None
     options = rdzv_options(backend)
     settings = Settings.from_conf(job.n, job.n, options)  # prefix too: the backend's default
     assigner = RankAssigner("ordered", "", ordered)
+    # A sealed variant: every node holds the job token, and seals and checks every record.
+    token = SEALING_TOKEN if report.sealed(job.name) else None
 
     def setup(i: int) -> Callable[[], Any]:
         node = NodeSpec(f"node{i}", host=HOST)
@@ -252,7 +256,7 @@ def node_factory(
             job.run_id, job.endpoint, options, job.n, job.n, node=node, rank_assigner=assigner
         )
         store = CountingStore(connect(request), requests, lock)
-        handler = StoreRendezvous(store, job.run_id, node, 1, assigner, settings)
+        handler = StoreRendezvous(store, job.run_id, node, 1, assigner, settings, token=token)
         handlers[i] = handler
         return handler.next_round
 
@@ -353,7 +357,7 @@ def store_backend(name: str) -> RendezvousBackend:
 
 
 def rdzv_conf(name: str) -> str:
-    return f"{PROTOCOL_CONF},{BACKEND_CONF[name]}"
+    return f"{PROTOCOL_CONF},{BACKEND_CONF[report.store_of(name)]}"
 
 
 def rdzv_options(backend: RendezvousBackend) -> dict[str, Any]:
@@ -474,9 +478,10 @@ class Servers:
 
         self.running: dict[str, Any] = {}
         try:
-            if "etcd" in names:
+            stores = {report.store_of(name) for name in names}
+            if "etcd" in stores:
                 self.running["etcd"] = servers.start_etcd(tmp_dir)
-            if "redis" in names:
+            if "redis" in stores:
                 self.running["redis"] = servers.start_redis(tmp_dir)
         except BaseException:
             self.stop()
@@ -485,6 +490,7 @@ class Servers:
     @contextlib.contextmanager
     def endpoint(self, name: str) -> Iterator[str]:
         """The ``--rdzv-endpoint`` of one measurement of ``name``."""
+        name = report.store_of(name)
         if name in self.running:
             started = self.running[name]  # etcd or Redis
             yield str(started.endpoint) if name == "etcd" else f"{HOST}:{started.port}"
@@ -522,6 +528,7 @@ class Servers:
 
     def pid(self, name: str) -> int | None:
         """The process of ``name``'s server; None where this one hosts it (TCPStore)."""
+        name = report.store_of(name)
         return int(self.running[name].pid) if name in self.running else None
 
     def stop(self) -> None:
@@ -700,9 +707,11 @@ def measure_all(args: argparse.Namespace) -> dict[str, Any]:
     from rallypoint.rendezvous import heartbeat
 
     names, sizes = args.names, args.sizes
-    stores = [name for name in names if name in report.STORE_BACKENDS]
+    stores = [name for name in names if report.store_of(name) in report.STORE_BACKENDS]
     for name in stores:
-        rdzv_options(store_backend(name))  # a missing plugin or a bad option: fail now
+        rdzv_options(
+            store_backend(report.store_of(name))
+        )  # a missing plugin or a bad option: fail now
     raise_file_limit()
     dns = reverse_dns()
     # Before measuring: the code measured is the code imported now.

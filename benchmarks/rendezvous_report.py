@@ -13,8 +13,11 @@ from typing import Any
 
 import common
 
-#: Everything --backends can name, in the order of the page's columns and the chart's legend.
-IMPLEMENTATIONS = ("c10d", "etcd", "redis", "torch")
+#: Everything --backends can name, in the order of the page's columns and the chart's
+#: legend. ``-sealed``: the same store, every node holding a job token (its records sealed).
+IMPLEMENTATIONS = (
+    "c10d", "c10d-sealed", "etcd", "etcd-sealed", "redis", "redis-sealed", "torch"
+)  # fmt: skip
 #: The ones that run rallypoint's protocol over a backend plugin's store; torch is torch's own.
 STORE_BACKENDS = ("c10d", "etcd", "redis")
 LABELS = {
@@ -23,12 +26,26 @@ LABELS = {
     "redis": "rallypoint on Redis",
     "torch": "torch c10d",
 }
+LABELS |= {f"{name}-sealed": f"{LABELS[name]}, sealed" for name in STORE_BACKENDS}
 STYLES: dict[str, dict[str, Any]] = {
     "c10d": {"color": "#2b7bba", "marker": "o", "offset": (6, -12)},
     "etcd": {"color": "#2ca02c", "marker": "^", "offset": (-14, 8)},
     "redis": {"color": "#d1780f", "marker": "D", "offset": (8, -6)},
     "torch": {"color": "#777777", "marker": "s", "offset": (-12, 8)},
 }
+STYLES |= {
+    f"{name}-sealed": {**STYLES[name], "linestyle": ":", "offset": (6, 6)}
+    for name in STORE_BACKENDS
+}
+
+
+def store_of(name: str) -> str:
+    """The store an implementation runs on: ``c10d-sealed`` runs on c10d's."""
+    return name.removesuffix("-sealed")
+
+
+def sealed(name: str) -> bool:
+    return name.endswith("-sealed")
 
 
 @dataclass(frozen=True)
@@ -96,6 +113,7 @@ def chart(results: dict[str, Any]) -> None:
             axis.plot(
                 *zip(*ok, strict=True),
                 linewidth=2,
+                linestyle=style.get("linestyle", "-"),
                 color=color,
                 marker=style["marker"],
                 label=LABELS[name],
@@ -172,7 +190,7 @@ def detail_row(n: int, name: str, record: dict[str, Any]) -> str:
 def render(results: dict[str, Any]) -> dict[str, list[str]]:
     tables: dict[str, dict[str, Any]] = results["table"]
     sizes, names = results["sizes"], list(tables)
-    stores = [name for name in names if name in STORE_BACKENDS]
+    stores = [name for name in names if store_of(name) in STORE_BACKENDS]
     dns, servers = results["dns"], results["servers"]
     facts = [f"- Python {results['python']}, torch {results['torch']}; rallypoint {results['git']}"]
     if servers:
@@ -215,7 +233,7 @@ def render(results: dict[str, Any]) -> dict[str, list[str]]:
         f"its node joins, then waits on the store in calls of at most {results['wake_slice_s']:g} s",
         f"- One-minute load average: {load[0]:.1f} when the run began, {load[1]:.1f} when it ended",
     ]
-    targets = [target_row(name, tables[name], sizes) for name in stores]
+    targets = [target_row(name, tables[name], sizes) for name in stores if name in TARGETS]
     header = f"store | issue | target at {TARGET_NODES} nodes | measured | growth (log-log slope)"
     details = "N | store | first node done s | last node done s | store operations per round"
     details += " | per node | nodes' CPU s | per node ms | server's CPU s"
@@ -225,4 +243,24 @@ def render(results: dict[str, Any]) -> dict[str, list[str]]:
         "detail": common.table(details, detail),
         "decode": common.table("N | round record | decoding it, per node | for all N", decode),
         "settings": settings,
+        "sealing": common.table(
+            "N | store | unsealed s | sealed s | sealed ÷ unsealed", sealing_rows(tables, sizes)
+        ),
     }
+
+
+def sealing_rows(tables: dict[str, Any], sizes: Sequence[int]) -> list[list[object]]:
+    """What sealing every record with a job token costs a round, store by store."""
+    rows: list[list[object]] = []
+    for name in STORE_BACKENDS:
+        if name not in tables or f"{name}-sealed" not in tables:
+            continue
+        for n in sizes:
+            plain, signed = tables[name][str(n)], tables[f"{name}-sealed"][str(n)]
+            ratio = "-"
+            if plain["status"] == signed["status"] == "ok":
+                ratio = f"{signed['median_seconds'] / plain['median_seconds']:.2f}x"
+            rows.append(
+                [n, LABELS[name].removeprefix("rallypoint on "), cell(plain), cell(signed), ratio]
+            )
+    return rows

@@ -4,31 +4,38 @@ and removing it from the store."""
 from __future__ import annotations
 
 import json
+import os
 
 import typer
 
-from rallypoint.config import check_run_id, choose_rendezvous
+from rallypoint.config import check_run_id, choose_rendezvous, job_token
 from rallypoint.errors import UsageError
 from rallypoint.extensions import RendezvousRequest
 from rallypoint.interfaces import CoordinationStore
 from rallypoint.plugins import PluginManager
 from rallypoint.registry import RENDEZVOUS_BACKENDS
 from rallypoint.rendezvous.factory import connect
-from rallypoint.rendezvous.generations import current_generation, inspect_run
+from rallypoint.rendezvous.generations import current_generation, has_records, inspect_run
 from rallypoint.rendezvous.keys import Keys
 from rallypoint.rendezvous.settings import Settings
+from rallypoint.rendezvous.signing import Seal, SignedStore
 from rallypoint.rendezvous.status import read_status
 
 
 def _open(
     pm: PluginManager, rdzv_backend: str, rdzv_endpoint: str, rdzv_id: str, rdzv_conf: str
 ) -> tuple[CoordinationStore, Keys, Settings]:
-    """A read-only client of the job's store, the job's keys and settings."""
+    """A read-only client of the job's store (reading sealed records with the job's token,
+    when given as the job's agents take it), the job's keys and settings."""
     check_run_id(rdzv_id)
     backend, _ = choose_rendezvous(pm.registry, rdzv_backend, rdzv_conf)
+    token = job_token(backend.options, os.environ)
     request = RendezvousRequest(rdzv_id, rdzv_endpoint, backend.options, viewer=True)
     settings = Settings.from_conf(1, 1, backend.options)
-    return connect(backend.item, request), Keys(settings.prefix, rdzv_id), settings
+    store = connect(backend.item, request)
+    if token is not None:
+        store = SignedStore(store, Seal(token))
+    return store, Keys(settings.prefix, rdzv_id), settings
 
 
 BACKEND = typer.Option("c10d", "--rdzv-backend", "--rdzv_backend")
@@ -113,10 +120,7 @@ def register(app: typer.Typer, pm: PluginManager) -> None:
             current = current_generation(store, keys)
             sample = settings.heartbeat_timeout
             gone, _ = inspect_run(store, current, sample)
-            has_records = store.get(current.state()) is not None or (
-                store.get(current.of_round(0, "joined")) is not None
-            )
-            if has_records and gone is None and not force:
+            if has_records(store, current) and gone is None and not force:
                 raise UsageError(
                     f"run {rdzv_id}: agents of it are alive; stop them first, or give --force "
                     "(their rendezvous would break)."

@@ -236,6 +236,9 @@ class RendezvousRequest:
             running round's offers (by group rank): what the node still does to be able
             to start workers at once ("importing torch"), or None once it can. A handler
             that supports it waits, saying so, until None (``ready_timeout``).
+        token: the job's secret (``--rdzv-conf token_file`` or ``RALLYPOINT_JOB_TOKEN``),
+            or None. Core's protocol seals every record it writes with it; a backend with
+            its own handler should refuse a node whose token differs. Never log it.
     """
 
     run_id: str
@@ -253,6 +256,7 @@ class RendezvousRequest:
     offer: Callable[[], Mapping[str, str]] | None = None
     pace: Callable[[], float | None] | None = None
     ready: Callable[[Sequence[Mapping[str, str]]], str | None] | None = None
+    token: bytes | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,14 @@ keeps. Liveness settings are short (3 s) so that every fault plays out in second
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import secrets
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +40,20 @@ CONF = {
     "redis": COMMON_CONF + ",key_ttl=3,retry_timeout=30",
 }
 
+
+def _token_file() -> Path:
+    """A job token for every job of the fault suite: its jobs run as a job on a shared
+    network should, their rendezvous records sealed (``rendezvous.signing``)."""
+    folder = Path(tempfile.mkdtemp(prefix="rallypoint-faults-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    path = folder / "job.token"
+    path.write_text(secrets.token_hex(16))
+    path.chmod(0o600)
+    return path
+
+
+TOKEN_FILE = _token_file()
+
 #: Every backend, in the order of docs/reliability.md's columns.
 BACKENDS = ("c10d", "etcd", "redis")
 
@@ -63,7 +81,7 @@ class Backend:
 
     @property
     def conf(self) -> str:
-        return CONF[self.name]
+        return f"{CONF[self.name]},token_file={TOKEN_FILE}"
 
     @property
     def store_port(self) -> int:

@@ -45,6 +45,7 @@ def request_for(
         offer=offer,
         pace=pace,
         ready=ready,
+        token=config.job_token,
     )
 
 

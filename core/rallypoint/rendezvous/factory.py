@@ -34,6 +34,7 @@ def protocol_handler(
         offer=request.offer,
         pace=request.pace,
         ready=request.ready,
+        token=request.token,
     )
 
 

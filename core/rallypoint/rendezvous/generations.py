@@ -142,6 +142,18 @@ def current_generation(store: CoordinationStore, keys: Keys) -> Keys:
     return calls.drive(current(keys), store)
 
 
+def has_records(store: CoordinationStore, keys: Keys) -> bool:
+    """Whether ``store`` holds records of the run at ``keys`` (its current generation's):
+    its state, its token key (a sealed run: its first node wrote it), or a join of round 0
+    (a new job writes nothing else before its first round ends; a counter, read as it is
+    only by a run without a token)."""
+    return (
+        store.get(keys.state()) is not None
+        or store.get(keys.token_key) is not None
+        or store.get(keys.of_round(0, "joined")) is not None
+    )
+
+
 def inspect_run(store: CoordinationStore, keys: Keys, ttl: float) -> tuple[str | None, str]:
     """``inspect``, read from ``store``, a node alive when it renewed within ``ttl``."""
     return calls.drive(inspect(keys, lambda key: calls.alive(key, ttl)), store)

@@ -16,6 +16,8 @@ class Keys:
         self.root = f"{base}/" if generation == 0 else f"{base}~{generation}/"
         #: The run's current generation (absent: 0), outside every generation's keys.
         self.generation_key = f"{base}~generation"
+        #: Sealed with the job token by the run's first node (``rendezvous.signing``).
+        self.token_key = f"{base}~token"
         #: Every key of the run, all generations, starts with one of these.
         self.prefixes = (f"{base}/", f"{base}~")
 

@@ -31,8 +31,12 @@ class CounterLiveness:
     unreachable), starts a new observation instead of counting as dead: only time this
     observer could see the counter and it stood still counts. Clones share what they saw.
     An owner that closes its store (``end_liveness``) drops the counter below zero:
-    dead at once.
+    dead at once; unless ``trust_drops`` is off (a job whose records are sealed: anyone
+    can add to a counter, so a drop proves nothing and its owner says "gone" otherwise,
+    ``rendezvous.signing``).
     """
+
+    trust_drops = True
 
     def __init__(self) -> None:
         self._seen: dict[str, tuple[int, float, float]] = {}  # value, moved at, read at
@@ -49,13 +53,15 @@ class CounterLiveness:
     def end_liveness(self) -> None:
         """The keys this connection kept alive are dead from now on (called by close)."""
         kept, self._kept = self._kept, set()
+        if not self.trust_drops:
+            return
         for key in kept:
             with contextlib.suppress(StoreError):  # an unreachable store: they lapse
                 self.add(key, _GONE)
 
     def alive(self, key: str, ttl: float) -> bool:
         value = self.add(key, 0)
-        if value < 0:  # its owner closed: gone
+        if value < 0 and self.trust_drops:  # its owner closed: gone
             return False
         now = time.monotonic()
         with self._lock:

@@ -52,7 +52,13 @@ from collections.abc import Callable, Mapping, Sequence
 
 from rallypoint.errors import RallypointError
 from rallypoint.extensions import NodeSpec, RankAssigner
-from rallypoint.interfaces import Assignment, CoordinationStore, RendezvousHandler, StoreError
+from rallypoint.interfaces import (
+    Assignment,
+    CoordinationStore,
+    RendezvousFailed,
+    RendezvousHandler,
+    StoreError,
+)
 from rallypoint.rendezvous import calls, notices, records
 from rallypoint.rendezvous.calls import Steps
 from rallypoint.rendezvous.heartbeat import WAKE_SLICE, Heartbeat
@@ -64,6 +70,7 @@ from rallypoint.rendezvous.ports import PortReservation
 from rallypoint.rendezvous.readiness import Ready
 from rallypoint.rendezvous.retrying import RetryingStore
 from rallypoint.rendezvous.settings import Settings
+from rallypoint.rendezvous.signing import Seal, SignedStore, sealed
 
 logger = logging.getLogger("rallypoint.rendezvous")
 
@@ -94,17 +101,20 @@ class StoreRendezvous(RendezvousHandler):
         offer: Callable[[], Mapping[str, str]] | None = None,
         pace: Callable[[], float | None] | None = None,
         ready: Ready | None = None,
+        token: bytes | None = None,
     ) -> None:
         if not records.usable_id(node.node_id) or not records.usable_host(node.host):
             raise RallypointError(
                 f"node id {node.node_id!r} and host {node.host!r}: a rendezvous needs a "
                 "non-empty node id, and neither may contain whitespace"
             )
-        self.store = RetryingStore(store, settings.retry_timeout)
         # True or False where an agent's process hosts the store (c10d, static's TCPStore,
         # which says so); None for a store of its own (etcd, Redis), which keeps what is
         # not deleted.
         self.hosting: bool | None = getattr(store, "hosting", None)
+        self.signed = SignedStore(store, Seal(token)) if token else None
+        self.store = RetryingStore(self.signed or store, settings.retry_timeout)
+        self._claimed = False
         self.settings = settings
         self.state = NodeState(
             node, nproc_per_node, settings, Keys(settings.prefix, run_id), time.monotonic
@@ -138,10 +148,26 @@ class StoreRendezvous(RendezvousHandler):
     # --- RendezvousHandler ----------------------------------------------------------------
 
     def next_round(self) -> Assignment:
+        if not self._claimed:
+            self._claim_token()
+            self._claimed = True
         try:
             return self._drive(self.joining.next_round(self._start_heartbeats))
         finally:
             self._wake_heartbeat.set()
+
+    def _claim_token(self) -> None:
+        """Every node of a job holds the same token, or none: one that differs stops now,
+        in a sentence, before it writes anything (``signing``)."""
+        key = self.keys.token_key
+        if self.signed is not None:
+            self.store.retry(lambda: self.signed.claim(key))  # type: ignore[union-attr]
+        elif (raw := self.store.get(key)) is not None and sealed(raw):
+            raise RendezvousFailed(
+                "the job's nodes seal their rendezvous records with a job token, and this "
+                "node has none: give it the same --rdzv-conf token_file or "
+                "RALLYPOINT_JOB_TOKEN"
+            )
 
     def nodes_waiting(self) -> int:
         """1 when the job has moved past this node's round (a member left or a node came).
@@ -270,4 +296,5 @@ def delete_run(keys: Keys) -> Steps[None]:
     deleted = yield from calls.delete_prefix(keys.root)
     if keys.generation:
         yield from calls.delete_prefix(keys.generation_key)  # a key of its own: nothing left
+    yield from calls.delete_prefix(keys.token_key)
     logger.debug("deleted the %d keys of the finished run under %s", deleted, keys.root)

@@ -22,6 +22,8 @@ from rallypoint.interfaces import StoreError
 VERSION = 4
 
 _WHITESPACE = re.compile(r"\s")
+#: What a record sealed with a job token starts with (``rendezvous.signing.MARK``).
+SEALED = b"rp1."
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,11 @@ _FIELDS = {
 
 
 def _load(key: str, raw: bytes, kind: str) -> dict[str, Any]:
+    if raw.startswith(SEALED):
+        raise StoreError(
+            f"rendezvous record {key!r} is sealed with a job token, and this node has none: "
+            "give it the job's --rdzv-conf token_file or RALLYPOINT_JOB_TOKEN"
+        )
     try:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):

@@ -56,7 +56,7 @@ class RetryingStore:
         self.store = store
         self.retry_timeout = retry_timeout
 
-    def _retry(self, operation: Callable[[], T]) -> T:
+    def retry(self, operation: Callable[[], T]) -> T:
         backoff: Backoff | None = None  # made at the first failure: a success costs nothing
         while True:
             try:
@@ -70,44 +70,42 @@ class RetryingStore:
             return result
 
     def add(self, key: str, amount: int) -> int:
-        return self._retry(lambda: self.store.add(key, amount))
+        return self.retry(lambda: self.store.add(key, amount))
 
     def get(self, key: str) -> bytes | None:
-        return self._retry(lambda: self.store.get(key))
+        return self.retry(lambda: self.store.get(key))
 
     def add_and_get(self, key: str, amount: int, other: str) -> tuple[int, bytes | None]:
-        return self._retry(lambda: self.store.add_and_get(key, amount, other))
+        return self.retry(lambda: self.store.add_and_get(key, amount, other))
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        return self._retry(lambda: self.store.get_many(keys))
+        return self.retry(lambda: self.store.get_many(keys))
 
     def set(self, key: str, value: bytes) -> None:
-        self._retry(lambda: self.store.set(key, value))
+        self.retry(lambda: self.store.set(key, value))
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bytes:
-        return self._retry(lambda: self.store.compare_set(key, expected, desired))
+        return self.retry(lambda: self.store.compare_set(key, expected, desired))
 
     def wait(self, keys: Sequence[str], timeout: float) -> bool:
         deadline = time.monotonic() + timeout
-        return self._retry(lambda: self.store.wait(keys, max(0.0, deadline - time.monotonic())))
+        return self.retry(lambda: self.store.wait(keys, max(0.0, deadline - time.monotonic())))
 
     def wait_value(self, key: str, timeout: float) -> bytes | None:
         deadline = time.monotonic() + timeout
-        return self._retry(
-            lambda: self.store.wait_value(key, max(0.0, deadline - time.monotonic()))
-        )
+        return self.retry(lambda: self.store.wait_value(key, max(0.0, deadline - time.monotonic())))
 
     def keep_alive(self, key: str, ttl: float) -> None:
-        self._retry(lambda: self.store.keep_alive(key, ttl))
+        self.retry(lambda: self.store.keep_alive(key, ttl))
 
     def alive(self, key: str, ttl: float) -> bool:
-        return self._retry(lambda: self.store.alive(key, ttl))
+        return self.retry(lambda: self.store.alive(key, ttl))
 
     def delete_prefix(self, prefix: str) -> int:
-        return self._retry(lambda: self.store.delete_prefix(prefix))
+        return self.retry(lambda: self.store.delete_prefix(prefix))
 
     def clone(self) -> RetryingStore:
-        return RetryingStore(self._retry(self.store.clone), self.retry_timeout)
+        return RetryingStore(self.retry(self.store.clone), self.retry_timeout)
 
     def close(self) -> None:
         self.store.close()

@@ -7,7 +7,7 @@ from typing import Any
 
 from rallypoint.interfaces import CoordinationStore
 from rallypoint.rendezvous import calls, readiness, records
-from rallypoint.rendezvous.generations import current_generation, inspect_run
+from rallypoint.rendezvous.generations import current_generation, has_records, inspect_run
 from rallypoint.rendezvous.keys import Keys
 from rallypoint.rendezvous.liveness import CounterLiveness
 
@@ -27,11 +27,9 @@ def read_status(
     store with leases or expiring keys (etcd, Redis) answers at once.
     """
     keys = current_generation(store, keys)
-    raw_state = store.get(keys.state())
-    # A job in its first round has no state key: it is in round 0 if a node joined that.
-    if raw_state is None and store.get(keys.of_round(0, "joined")) is None:
+    if not has_records(store, keys):
         return {"run_id": run_id, "round": None, "members": [], "waiting": 0, "condition": None}
-    round_ = records.decode_state(keys.state(), raw_state)
+    round_ = records.decode_state(keys.state(), store.get(keys.state()))
     closed_key = keys.of_round(round_, "closed")
     raw_closed = store.get(closed_key)
     if raw_closed is None and round_ > 0:
