@@ -76,6 +76,7 @@ class Heartbeat:
         yield from calls.keep_alive(
             view.keys.heartbeat(node.node_id), node.settings.heartbeat_timeout
         )
+        node.renewed()
         if kept is not None:
             node.stalls.note(kept)  # a renewal late by more than heartbeat_timeout: a stall
         kept = node.clock()

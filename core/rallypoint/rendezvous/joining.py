@@ -221,9 +221,17 @@ class Joining:
 
     def _join(self, round_: int, deadline: float) -> Steps[records.RoundRecord]:
         """Join ``round_``; return its record (without this node if it came too late)."""
-        keys = self.keys
+        keys, node = self.keys, self.node
         self._reserve_port()
-        self.node.publish(last_joined=round_)
+        if node.clock() - node.kept_at > self.settings.heartbeat_timeout / 2:
+            # The heartbeat has not renewed this node's liveness lately: the store was out
+            # of reach, and it may have lapsed. Renew it before the join record, or a member
+            # that reads the record first takes this node for gone.
+            yield from calls.keep_alive(
+                keys.heartbeat(node.node_id), self.settings.heartbeat_timeout
+            )
+            node.renewed()
+        node.publish(last_joined=round_)
         index, state = yield from calls.add_and_get(
             keys.of_round(round_, "joined"), 1, keys.state()
         )

@@ -68,6 +68,12 @@ class NodeState:
         #: Why the heartbeat stopped (the store out of reach for longer than
         #: retry_timeout), if it did: this node is no longer kept alive, so it fails.
         self.heartbeat_failed: StoreError | None = None
+        #: When this node last renewed its liveness (``renewed``), on ``clock``.
+        self.kept_at = -float("inf")
+
+    def renewed(self) -> None:
+        """This node's liveness was renewed just now (by its heartbeat, or a join)."""
+        self.kept_at = self.clock()
 
     @property
     def node_id(self) -> str:

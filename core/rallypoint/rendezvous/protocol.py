@@ -229,6 +229,7 @@ class StoreRendezvous(RendezvousHandler):
         self._beat_store.keep_alive(
             self.keys.heartbeat(self.state.node_id), self.settings.heartbeat_timeout
         )
+        self.state.renewed()
         self._stop_heartbeat = threading.Event()
         self._heartbeat = threading.Thread(
             target=self._beat, args=(self._beat_store, self._stop_heartbeat), daemon=True

@@ -284,6 +284,7 @@ class SimAgent:
     def _start_heartbeat(self) -> None:
         key = self.state.view.keys.heartbeat(self.node_id)
         self.beat_conn.keep_alive(key, self.sim.schedule.settings.heartbeat_timeout)
+        self.state.renewed()
         beat = Heartbeat(self.state)
         self.sim.spawn(self, "heartbeat", self.beat_conn, beat.run(self._stopped), self._beat_ended)
 
