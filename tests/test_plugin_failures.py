@@ -26,6 +26,7 @@ from launch import (
     kill,
     rallypoint,
     wait_for_port,
+    worker,
 )
 from rallypoint import registry
 from rallypoint.extensions import RestartDecision, RestartPolicy
@@ -344,3 +345,73 @@ def test_the_registry_collects_without_the_plugin_manager() -> None:
         "bad": "register_restart_policies: expected RestartPolicy, got str",
         "worse": "register_metrics_sinks failed: ZeroDivisionError: division by zero",
     }
+
+
+def test_a_name_of_a_broken_plugin_says_the_plugin_is_broken(
+    install_plugin: InstallPlugin, tmp_path: Path
+) -> None:
+    """A plugin whose hook name is misspelt registers nothing: choosing the policy it meant
+    to register names it, and why it is broken, rather than only "unknown"."""
+    site = install_plugin(
+        "typo",
+        "from rallypoint import hookimpl\n@hookimpl\ndef register_restart_policy():\n    pass\n",
+    )
+    paths = [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]
+    result = rallypoint(
+        "run", "--restart-policy", "mine", worker("light.py"), str(tmp_path),
+        env={"PYTHONPATH": os.pathsep.join(paths)},
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line == (
+        "rallypoint: error: --restart-policy 'mine': unknown restart policy. Choose one of: "
+        "backoff, max-restarts, never. Installed but broken, so none of their names can "
+        "be chosen: typo (unknown hook 'register_restart_policy': did you mean "
+        "'register_restart_policies'?); see rallypoint plugins."
+    )
+
+
+def test_a_checkpoint_backend_refuses_a_malformed_url_before_any_worker_starts(
+    install_plugin: InstallPlugin, tmp_path: Path
+) -> None:
+    """``CheckpointBackend.check`` runs when the flags are parsed: its sentence, exit 2,
+    and no worker ever runs (which would each have printed a traceback from ``open``)."""
+    site = install_plugin(
+        "fussy",
+        """
+        from rallypoint.sdk import CheckpointBackend, hookimpl
+
+        def check(url):
+            if not url.removeprefix("fussy://").split("/")[0]:
+                raise ValueError("a fussy:// URL names its bucket: fussy://BUCKET/PATH")
+
+        def open_storage(url):
+            raise AssertionError("never opened")
+
+        @hookimpl
+        def register_checkpoint_backends():
+            return [CheckpointBackend("fussy", "", ("fussy",), open_storage, check)]
+        """,
+    )
+    paths = [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]
+    marker = tmp_path / "ran"
+    script = tmp_path / "touch.py"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    result = rallypoint(
+        "run", "--checkpoint-dir", "fussy:///no-bucket", str(script),
+        env={"PYTHONPATH": os.pathsep.join(paths)},
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (
+        "rallypoint: error: --checkpoint-dir 'fussy:///no-bucket': a fussy:// URL names its "
+        "bucket: fussy://BUCKET/PATH"
+    )
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("key", ["", "two words", "a=b", "a,b", "1st", "dash-ed"])
+def test_an_option_key_the_command_line_cannot_carry_is_refused(key: str) -> None:
+    from rallypoint.extensions import ConfigOption
+
+    with pytest.raises(ValueError, match="a key is a letter or _ followed by"):
+        ConfigOption(key)

@@ -280,7 +280,7 @@ def _choose_plugins(values: dict[str, Any], registry: Registry, nnodes: str) -> 
         values.pop("metrics_port", None),
     )
     if values.get("checkpoint_dir"):
-        registry.checkpoint_backend_for(values["checkpoint_dir"])
+        registry.check_checkpoint_dir(values["checkpoint_dir"])
 
 
 def _standalone(values: dict[str, Any], nnodes: str) -> None:

@@ -7,7 +7,7 @@ non-zero, never a traceback. ``UsageError`` marks a mistake in what the user ask
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 
 def one_line(error: BaseException | str) -> str:
@@ -33,13 +33,35 @@ class UsageError(RallypointError):
 class UnknownNameError(UsageError):
     """A name given for an extension point that no installed plugin registers."""
 
-    def __init__(self, kind: str, name: str, valid: Iterable[str], *, flag: str = "") -> None:
+    def __init__(
+        self,
+        kind: str,
+        name: str,
+        valid: Iterable[str],
+        *,
+        flag: str = "",
+        broken: Mapping[str, str] | None = None,
+    ) -> None:
         self.kind = kind
         self.name = name
         self.valid = sorted(valid)
         choices = ", ".join(self.valid) if self.valid else "(none installed)"
         prefix = f"{flag} {name!r}" if flag else repr(name)
-        super().__init__(f"{prefix}: unknown {kind}. Choose one of: {choices}.")
+        # A broken plugin registers nothing: the name may be one of its, which the user
+        # would otherwise take for a typo of their own.
+        hint = broken_hint(broken or {})
+        super().__init__(f"{prefix}: unknown {kind}. Choose one of: {choices}.{hint}")
+
+
+def broken_hint(broken: Mapping[str, str]) -> str:
+    """`` Installed but broken, ...``: the plugins that registered nothing, and why."""
+    if not broken:
+        return ""
+    listed = "; ".join(f"{name} ({why})" for name, why in sorted(broken.items()))
+    return (
+        f" Installed but broken, so none of their names can be chosen: {listed}; "
+        "see rallypoint plugins."
+    )
 
 
 class PluginConflictError(RallypointError):

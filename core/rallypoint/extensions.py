@@ -35,6 +35,9 @@ def normalise_name(name: str) -> str:
 # --- configuration options ----------------------------------------------------------------
 
 
+_OPTION_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
 @dataclass(frozen=True)
 class ConfigOption:
     """One ``key=value`` setting an implementation accepts (``--rdzv-conf``, ``--metrics-conf``...).
@@ -67,6 +70,11 @@ class ConfigOption:
     def __post_init__(self) -> None:
         if self.type not in (str, int, float, bool):
             raise ValueError(f"option {self.name!r}: type must be str, int, float or bool")
+        if not _OPTION_NAME.fullmatch(self.name):
+            # The command line splits at "," and the first "=": a key must hold neither.
+            raise ValueError(
+                f"option {self.name!r}: a key is a letter or _ followed by letters, digits and _"
+            )
 
     def parse(self, raw: str) -> Any:
         """Convert the text ``raw`` to this option's type; raise ``ValueError`` with the reason."""
@@ -444,12 +452,18 @@ class CheckpointBackend:
         open: ``(url) -> CheckpointStorage`` (``rallypoint.checkpoint.storage``): the
             storage at ``url``, on which rallypoint writes, verifies, rotates and loads
             checkpoints. Called in the workers.
+        check: ``(url) -> None``, raising ``ValueError`` with a sentence when ``url`` is
+            not one the backend can serve (a malformed bucket name): called by the agent
+            when it parses ``--checkpoint-dir``, so that the user hears it before any
+            worker starts rather than from every worker's ``open``. No I/O: the storage
+            may not be reachable from the agent's host.
     """
 
     name: str
     description: str
     schemes: tuple[str, ...] = ()
     open: Callable[[str], CheckpointStorage] | None = None
+    check: Callable[[str], None] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", normalise_name(self.name))

@@ -165,7 +165,7 @@ def register_metrics_sinks() -> Iterable[MetricsSink]:
 
     Returns:
         The sinks this plugin provides. ``create`` gets a ``SinkContext`` and returns an
-        object with ``emit(event)`` and ``close()``; it receives every ``rallypoint.events.Event``.
+        object with ``emit(event)`` and ``close()``; it receives every ``rallypoint.sdk.Event``.
 
     Example::
 

@@ -145,12 +145,14 @@ class PluginManager(pluggy.PluginManager):
         if plugin is not None:
             self.unregister(plugin)
         self.registry.forget(name)
+        self.registry.broken[name] = info.error
 
     def collect(self) -> None:
         """Collect every plugin's registrations into ``registry`` afresh, and mark broken
         the plugins whose registrations are unusable."""
         found = Registry.collect(self.implementations, self.infos)
         self.registry = found.registry
+        self.registry.broken = {n: i.error for n, i in self.infos.items() if i.status == BROKEN}
         for name, info in self.infos.items():
             info.registered = found.registered.get(name, {})
         for name, why in found.broken.items():

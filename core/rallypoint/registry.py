@@ -20,7 +20,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
-from rallypoint.errors import PluginConflictError, UnknownNameError, UsageError, one_line
+from rallypoint.errors import (
+    PluginConflictError,
+    UnknownNameError,
+    UsageError,
+    broken_hint,
+    one_line,
+)
 from rallypoint.extensions import (
     CheckpointBackend,
     MetricsSink,
@@ -121,6 +127,9 @@ class Registry:
     def __init__(self) -> None:
         self._entries: dict[str, dict[str, Registered[Any]]] = {k.hook: {} for k in KINDS}
         self._conflicts: dict[str, dict[str, list[Registered[Any]]]] = {k.hook: {} for k in KINDS}
+        #: The installed plugins found broken (name -> why): a name none registers may be
+        #: one of theirs, and a lookup says so.
+        self.broken: dict[str, str] = {}
 
     @classmethod
     def collect(
@@ -238,7 +247,24 @@ class Registry:
         try:
             return self._entries[kind.hook][key].item  # type: ignore[no-any-return]
         except KeyError:
-            raise UnknownNameError(kind.label, name, self.names(kind), flag=kind.flag) from None
+            raise UnknownNameError(
+                kind.label, name, self.names(kind), flag=kind.flag, broken=self.broken
+            ) from None
+
+    def check_checkpoint_dir(self, url: str) -> CheckpointBackend:
+        """The backend serving ``--checkpoint-dir url``, once it accepted ``url``
+        (``CheckpointBackend.check``); a ``UsageError`` naming the flag otherwise."""
+        backend = self.checkpoint_backend_for(url)
+        if backend.check is None:
+            return backend
+        try:
+            backend.check(url)
+        except ValueError as error:
+            raise UsageError(f"--checkpoint-dir {url!r}: {error}") from None
+        except Exception as error:  # a plugin's bug: one sentence naming it, no traceback
+            who = describe(CHECKPOINT_BACKENDS, backend)
+            raise UsageError(plugin_failure(who, "check", error, "the job does not start")) from None
+        return backend
 
     def checkpoint_backend_for(self, url: str) -> CheckpointBackend:
         """The checkpoint backend serving ``url``'s scheme (a plain path has scheme ``""``)."""
@@ -254,7 +280,7 @@ class Registry:
         served = sorted(f"{s}://" if s else "a plain path" for r in stores for s in r.item.schemes)
         raise UsageError(
             f"--checkpoint-dir {url!r}: no checkpoint backend serves {scheme}:// URLs. "
-            f"Choose one of: {', '.join(served) or '(none installed)'}."
+            f"Choose one of: {', '.join(served) or '(none installed)'}.{broken_hint(self.broken)}"
         )
 
 
