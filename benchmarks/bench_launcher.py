@@ -199,7 +199,7 @@ def memory(command: list[str], timeout: float) -> dict[str, Any]:
                 role = "worker" if pid in workers else "other"
                 if b"_rallypoint_zygote" in cmdline:
                     role = "preloaded interpreter"
-                elif b"keeper.py" in cmdline:
+                elif b"_rallypoint_keeper" in cmdline:
                     role = "keeper"
                 roles.setdefault(role, []).append(_memory_kb(pid))
     finally:

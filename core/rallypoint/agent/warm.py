@@ -17,6 +17,7 @@ process), the next group starts cold and a new one is prepared for the restart a
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -65,7 +66,8 @@ class WarmStart:
     def prepare(self, keeper: Keeper) -> None:
         """Have ``keeper`` start the preloaded interpreter (it imports in the background)."""
         if self.off is None:
-            argv = [sys.executable, "-u", "-c", zygote.BOOT, self.path0, zygote.__file__]
+            folder = os.path.dirname(zygote.__file__)
+            argv = [sys.executable, "-u", "-c", zygote.BOOT, self.path0, folder]
             shown = len("\0".join(self.argv)) + 1  # each worker writes it there
             keeper.prepare([*argv, ",".join(self.preload), " " * shown], self.env)
 

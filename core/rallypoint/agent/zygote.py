@@ -21,15 +21,16 @@ key and helpers), ``sys.argv`` and a fresh ``__main__``. It ends as an interpret
 uncaught exception printed by ``sys.excepthook`` and 1, threads joined, ``atexit`` handlers
 run, output flushed; but then it exits at once, without the teardown of every module.
 
-Run as ``python -u -c BOOT PATH0 THIS_FILE PRELOADS PADDING`` (``BOOT`` below), so that
+Run as ``python -u -c BOOT PATH0 FOLDER PRELOADS PADDING`` (``BOOT`` below), so that
 the modules are imported with the ``sys.path[0]`` the worker will have, and with no module
-in ``sys.modules`` that the worker would not import itself: this file is stdlib-only, and
-not imported as a module of rallypoint. ``PRELOADS`` is a
-comma-separated list; ``PADDING`` (spaces) makes room in the process's argument area for
-the command line a cold worker would have, which each worker writes there, so that ``ps``
-and ``pgrep -f`` show it as they would. It talks to the keeper over the
-``SOCK_SEQPACKET`` socket on descriptor 3, one JSON object per packet (the packet is the
-frame), a worker's stdout and stderr passed with its ``spawn`` request (``SCM_RIGHTS``).
+in ``sys.modules`` that the worker would not import itself: this module and the siblings it
+imports (relatively: ``wire``, ``subreaper``) are stdlib-only, imported from FOLDER as the
+package ``_rallypoint_zygote``, which leaves ``sys.modules`` before the first preload.
+``PRELOADS`` is a comma-separated list; ``PADDING`` (spaces) makes room in the process's
+argument area for the command line a cold worker would have, which each worker writes
+there, so that ``ps`` and ``pgrep -f`` show it as they would. It talks to the keeper over
+the socket on descriptor 3 (``rallypoint.agent.wire``), a worker's stdout and stderr passed
+with its ``spawn`` request.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ import ctypes
 import gc
 import importlib
 import io
-import json
 import os
 import select
 import signal
@@ -50,40 +50,29 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from importlib.machinery import SourceFileLoader
 from typing import Any, NoReturn
 
+# Relative: imported as _rallypoint_zygote's in the preloaded interpreter (see above).
+from . import wire
+from .subreaper import die_with, ended_children
+
 #: The descriptor of the socket to the keeper, in the preloaded interpreter.
 SOCKET_FD = 3
-#: How the keeper starts this file: the worker's ``sys.path[0]`` first, then this module,
-#: loaded under a name no script imports and kept out of ``sys.modules``.
+#: How the keeper starts this module: the worker's ``sys.path[0]`` first, then this module
+#: and its siblings from their folder, as a package no script imports, which leaves
+#: ``sys.modules`` before ``main`` preloads anything.
 BOOT = (
-    "import sys, importlib.util as u; sys.path[0] = sys.argv[1]; "
-    "s = u.spec_from_file_location('_rallypoint_zygote', sys.argv[2]); "
-    "m = u.module_from_spec(s); s.loader.exec_module(m); m.main(sys.argv[3].split(','))"
+    "import sys, types; sys.path[0] = sys.argv[1]; "
+    "p = sys.modules['_rallypoint_zygote'] = types.ModuleType('_rallypoint_zygote'); "
+    "p.__path__ = [sys.argv[2]]; from _rallypoint_zygote import zygote as m; "
+    "[sys.modules.pop(n) for n in list(sys.modules) if n.startswith(p.__name__)]; "
+    "m.main(sys.argv[3].split(','))"
 )
-#: The largest request (a worker's environment is most of it).
-_PACKET = 1 << 20
 #: A module named with ``--preload`` that is not installed fails the preload; torch, which
 #: the agent preloads when the script imports it, does not: its workers fail as they would.
 IMPLICIT = "torch"
-_PR_SET_PDEATHSIG = 1
-
-
-def send(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
-    """One message as one packet of a ``SOCK_SEQPACKET`` socket."""
-    socket.send_fds(sock, [json.dumps(message).encode()], list(fds))
-
-
-def receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
-    """The next packet's message and descriptors; None when the other end closed."""
-    data, fds, _flags, _addr = socket.recv_fds(sock, _PACKET, 4)
-    if not data:
-        for fd in fds:
-            os.close(fd)
-        return None
-    return json.loads(data), fds
 
 
 # --- the preloaded interpreter ------------------------------------------------------------
@@ -97,13 +86,13 @@ def main(preload: Sequence[str]) -> None:
     preload = [name for name in preload if name]
     failure = _preload(preload)
     if failure is not None:
-        send(sock, {"op": "unready", "message": failure})
+        wire.send(sock, {"op": "unready", "message": failure})
         return
     preloaded = [name for name in preload if name in sys.modules]
     # Out of the collector's sight: a worker's collections then write to none of these
     # objects, whose pages stay shared with the zygote (the gc.freeze documentation).
     gc.freeze()
-    send(sock, {"op": "ready", "preloaded": preloaded, "seconds": time.monotonic() - began})
+    wire.send(sock, {"op": "ready", "preloaded": preloaded, "seconds": time.monotonic() - began})
     child = _Server(sock).serve()
     if child is not None:  # this process is now a worker
         _become_worker(*child)
@@ -161,7 +150,7 @@ class _Server:
                 self.reap()
             if self.sock.fileno() in ready:
                 try:
-                    received = receive(self.sock)
+                    received = wire.receive(self.sock)
                 except (OSError, ValueError):
                     received = None
                 if received is None:  # the keeper is gone; the workers die with us
@@ -177,7 +166,7 @@ class _Server:
         if unfit is not None:
             for fd in fds:
                 os.close(fd)
-            send(self.sock, {"op": "refused", "id": message.get("id"), "message": unfit})
+            wire.send(self.sock, {"op": "refused", "id": message.get("id"), "message": unfit})
             return None
         # The child closes its end once it leads a session of its own: from then on, a
         # signal to its process group (the agent's way to stop a worker) reaches it.
@@ -194,7 +183,7 @@ class _Server:
         os.close(settled_read)
         for fd in fds:
             os.close(fd)
-        send(self.sock, {"op": "spawned", "id": message.get("id"), "pid": pid})
+        wire.send(self.sock, {"op": "spawned", "id": message.get("id"), "pid": pid})
         return None
 
     def leave(self, zygote: int) -> None:
@@ -209,30 +198,9 @@ class _Server:
 
     def reap(self) -> None:
         for pid, code in ended_children():
-            send(
+            wire.send(
                 self.sock, {"op": "exited", "pid": pid, "returncode": code, "at": time.monotonic()}
             )
-
-
-def ended_children() -> Iterator[tuple[int, int]]:
-    """Reap every child that has ended: its pid and exit code (``-N``: killed by signal N)."""
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        yield pid, os.waitstatus_to_exitcode(status)
-
-
-def die_with(parent: int) -> None:
-    """Call in a child right after fork: SIGKILL it when ``parent`` dies
-    (``PR_SET_PDEATHSIG``); exit at once if it already has."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # it died before prctl took effect
-        os._exit(1)
 
 
 # --- the forked child, becoming the worker --------------------------------------------------

@@ -1,0 +1,94 @@
+"""The framing of every message between the agent, its keeper and the preloaded
+interpreter: a 4-byte big-endian length, then that many bytes of one JSON object, over a
+``SOCK_STREAM`` Unix socket pair. Descriptors (a worker's stdout and stderr) travel with a
+message's first bytes (``SCM_RIGHTS``).
+
+Why a length prefix over a stream rather than one message per ``SOCK_SEQPACKET`` packet
+(what the keeper and the preloaded interpreter used to speak): a packet must fit the
+socket's send buffer, 208 KiB by default (``net.core.wmem_default``; EMSGSIZE beyond),
+and a request to start a cold worker or the preloaded interpreter carries a whole
+environment, which ``exec`` accepts up to a quarter of the stack limit (2 MiB by
+default). A packet larger than the reader's buffer is cut silently, too; a length is
+checked against ``MAX_MESSAGE`` before anything is read. What the stream costs, reading
+until a frame is whole and sending the rest of a frame a signal cut short, is here, once.
+
+Stdlib-only and importing nothing of rallypoint: the keeper and the preloaded interpreter
+import it without the package (``rallypoint.agent.keeper_server``, ``zygote``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+_HEADER = struct.Struct(">I")
+#: The largest message, either way: above anything ``exec`` accepts (6 MiB at most), so
+#: that only a broken or hostile stream meets it.
+MAX_MESSAGE = 16 << 20
+#: The most descriptors one message carries (a ``spawn`` request: stdout and stderr).
+MAX_FDS = 4
+
+
+def send(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
+    """Send ``message`` and ``fds`` as one frame. ``ValueError`` when it is over a bound."""
+    body = json.dumps(message).encode()
+    if len(body) > MAX_MESSAGE or len(fds) > MAX_FDS:
+        raise ValueError(
+            f"a message of {len(body)} bytes and {len(fds)} descriptors is over the "
+            f"wire's bounds ({MAX_MESSAGE} bytes, {MAX_FDS} descriptors)"
+        )
+    frame = memoryview(_HEADER.pack(len(body)) + body)
+    # A signal may cut a sendmsg short; the descriptors went with its first bytes.
+    sent = socket.send_fds(sock, [frame], list(fds)) if fds else 0
+    if sent < len(frame):
+        sock.sendall(frame[sent:])
+
+
+def receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
+    """The next message and the descriptors it carried (not inherited across ``exec``);
+    None when the other end closed between messages. ``ValueError`` when the stream is
+    broken: closed mid-message, a length over ``MAX_MESSAGE``, or a body that is not a JSON
+    object; the descriptors that came with it are closed then."""
+    header, fds, _flags, _addr = socket.recv_fds(sock, _HEADER.size, MAX_FDS)
+    try:
+        for fd in fds:
+            os.set_inheritable(fd, False)
+        message = _body(sock, header) if header else None
+    except BaseException:
+        _close(fds)
+        raise
+    if message is None:
+        _close(fds)
+        return None
+    return message, fds
+
+
+def _body(sock: socket.socket, header: bytes) -> dict[str, Any]:
+    """The message whose header starts with ``header`` (a stream may cut it short)."""
+    (length,) = _HEADER.unpack(header + _read_exactly(sock, _HEADER.size - len(header)))
+    if length > MAX_MESSAGE:
+        raise ValueError(f"a message of {length} bytes is over the bound of {MAX_MESSAGE}")
+    message = json.loads(_read_exactly(sock, length))
+    if not isinstance(message, dict):
+        raise ValueError(f"a message is a JSON object, not {type(message).__name__}")
+    return message
+
+
+def _read_exactly(sock: socket.socket, count: int) -> bytes:
+    chunks = []
+    while count > 0:
+        chunk = sock.recv(min(count, 1 << 20))
+        if not chunk:
+            raise ValueError("the socket closed mid-message")
+        chunks.append(chunk)
+        count -= len(chunk)
+    return b"".join(chunks)
+
+
+def _close(fds: Sequence[int]) -> None:
+    for fd in fds:
+        os.close(fd)

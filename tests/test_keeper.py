@@ -1,0 +1,84 @@
+"""The agent's side of its keeper (``rallypoint.agent.keeper``) against a real keeper
+process (``rallypoint.agent.keeper_server``), in this process: what the agent's workers
+rely on, without a rendezvous. The whole job's view: tests/faults/test_stray_processes.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rallypoint.agent.keeper import BOOT, Keeper, KeeperGone, KeptProcess
+from servers import wait_until
+
+
+@pytest.fixture
+def keeper() -> Iterator[Keeper]:
+    kept = Keeper()
+    try:
+        yield kept
+    finally:
+        kept.close()
+
+
+def _gone(pid: int) -> bool:
+    return not os.path.exists(f"/proc/{pid}")
+
+
+def test_a_worker_is_started_and_its_exit_reported(keeper: Keeper, tmp_path: Path) -> None:
+    out = os.open(tmp_path / "out", os.O_WRONLY | os.O_CREAT)
+    try:
+        argv = ["sh", "-c", "echo to-out; echo to-err >&2; exit 3"]
+        pid = keeper.spawn(argv, dict(os.environ), out, out)
+    finally:
+        os.close(out)
+    assert KeptProcess(keeper, pid).wait(10) == 3
+    assert (tmp_path / "out").read_text() == "to-out\nto-err\n"
+    # An interpreter without the job's environment or site-packages, which imports the
+    # keeper's modules from their folder.
+    cmdline = Path(f"/proc/{keeper.process.pid}/cmdline").read_bytes().split(b"\0")
+    assert cmdline[:5] == [sys.executable.encode(), b"-I", b"-S", b"-c", BOOT.encode()]
+
+
+def test_a_program_that_cannot_be_executed_is_an_os_error(keeper: Keeper) -> None:
+    with pytest.raises(FileNotFoundError):
+        keeper.spawn(["/no/such/program"], {}, 1, 2)
+    assert keeper.sweep() == 0  # nothing was left behind
+
+
+def test_when_the_agent_goes_the_keeper_stops_everything_and_removes_what_it_owns(
+    tmp_path: Path,
+) -> None:
+    owned = tmp_path / "memory"
+    owned.mkdir()
+    keeper = Keeper()
+    pid = keeper.spawn(["sleep", "300"], dict(os.environ), 1, 2)
+    keeper.own(str(owned))
+    keeper.release()  # as the agent's death closes its end of the socket
+    assert keeper.process.wait(10) == 0
+    assert wait_until(lambda: _gone(pid), 10)
+    assert not owned.exists()
+
+
+def test_a_killed_keeper_is_gone_and_so_are_its_workers() -> None:
+    keeper = Keeper()
+    worker = KeptProcess(keeper, keeper.spawn(["sleep", "300"], dict(os.environ), 1, 2))
+    keeper.process.send_signal(signal.SIGKILL)
+    assert worker.wait(10) == -signal.SIGKILL
+    with pytest.raises(KeeperGone, match="died \\(killed by SIGKILL\\)"):
+        keeper.spawn(["true"], {}, 1, 2)
+    # Its worker died with it (PR_SET_PDEATHSIG) and came to this process, a subreaper
+    # too. Not sweep(): it would kill every child of this test process.
+    assert wait_until(lambda: _reaped(worker.pid), 10)
+    keeper.release()
+
+
+def _reaped(pid: int) -> bool:
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] == pid
+    except ChildProcessError:  # not yet handed to this process
+        return False
