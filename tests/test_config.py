@@ -6,19 +6,19 @@ from pathlib import Path
 
 import pytest
 
-from rallypoint.config import (
-    LaunchConfig,
+from rallypoint.config import LaunchConfig, count_workers, parse_options
+from rallypoint.errors import UsageError
+from rallypoint.extensions import ConfigOption
+from rallypoint.flags import (
     parse_labels,
     parse_local_ranks,
     parse_nnodes,
     parse_nproc_per_node,
-    parse_options,
     parse_signals,
     parse_std_spec,
 )
-from rallypoint.errors import UsageError
-from rallypoint.extensions import ConfigOption
 from rallypoint.plugins import get_plugin_manager
+from rallypoint.preflight import preflight
 
 
 @pytest.fixture
@@ -29,7 +29,11 @@ def script(tmp_path: Path) -> str:
 
 
 def config(**flags: object) -> LaunchConfig:
-    return LaunchConfig.from_flags(get_plugin_manager().registry, **flags)
+    """The configuration of these flags, checked against this machine as `rallypoint run`
+    checks it."""
+    launch = LaunchConfig.from_flags(get_plugin_manager().registry, **flags)
+    preflight(launch)
+    return launch
 
 
 @pytest.mark.parametrize(
@@ -47,8 +51,9 @@ def test_parse_nnodes_rejects(text: str) -> None:
 
 def test_parse_nproc_per_node() -> None:
     assert parse_nproc_per_node("8") == 8
-    assert parse_nproc_per_node("cpu") >= 1
-    assert parse_nproc_per_node("auto") >= 1  # CPU count where no accelerator is present
+    assert count_workers(parse_nproc_per_node("cpu")) >= 1
+    # The CPU count where no accelerator is present.
+    assert count_workers(parse_nproc_per_node("auto")) >= 1
     with pytest.raises(UsageError):
         parse_nproc_per_node("-1")
 

@@ -8,9 +8,10 @@ import os
 
 import typer
 
-from rallypoint.config import check_run_id, choose_rendezvous, job_token
+from rallypoint.config import choose_rendezvous, job_token
 from rallypoint.errors import UsageError
 from rallypoint.extensions import RendezvousRequest
+from rallypoint.flags import check_run_id
 from rallypoint.interfaces import CoordinationStore
 from rallypoint.plugins import PluginManager
 from rallypoint.registry import RENDEZVOUS_BACKENDS

@@ -18,8 +18,19 @@ from rallypoint.events import Event, RunInfo, WorkerFailure
 from rallypoint.interfaces import CheckpointStorage, CoordinationStore, RendezvousHandler
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+#: How every on/off value is spelt: a ``bool`` option's and ``rallypoint run``'s alike.
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
+
+
+def parse_bool(text: str) -> bool:
+    """``text`` (any case, spaces around it ignored) as on or off; ``ValueError`` if neither."""
+    word = text.strip().lower()
+    if word in _TRUE:
+        return True
+    if word in _FALSE:
+        return False
+    raise ValueError("expected true or false")
 
 
 def normalise_name(name: str) -> str:
@@ -102,11 +113,7 @@ class ConfigOption:
 
     def _convert(self, text: str) -> Any:
         if self.type is bool:
-            if text.lower() in _TRUE:
-                return True
-            if text.lower() in _FALSE:
-                return False
-            raise ValueError("expected true or false")
+            return parse_bool(text)
         if self.type is int:
             try:
                 return int(text)

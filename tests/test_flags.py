@@ -1,0 +1,193 @@
+"""``rallypoint run``'s flags, declared once (``rallypoint.flags.FLAGS``): the command's options
+are made from the table, its parser is pure, the checks of the machine are ``preflight``'s,
+and on/off is spelt one way everywhere."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer.main
+
+from rallypoint.config import LaunchConfig
+from rallypoint.errors import UsageError
+from rallypoint.extensions import ConfigOption
+from rallypoint.flags import FLAGS, format_size, parse_flags, parse_size
+from rallypoint.plugins import get_plugin_manager
+from rallypoint.preflight import preflight
+from rallypoint_cli.main import build_app, main
+
+#: The words docs/user-guide.md gives for on and off.
+ON = ("1", "true", "yes", "on")
+OFF = ("0", "false", "no", "off")
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> str:
+    path = tmp_path / "train.py"
+    path.write_text("")
+    return str(path)
+
+
+def run(
+    args: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> tuple[int, str, LaunchConfig | None]:
+    """``rallypoint run ARGS`` in this process with only ``env``'s launcher variables: the
+    exit code, stderr and the configuration the agent was handed (None: not started)."""
+    import rallypoint.agent.elastic
+
+    seen: list[LaunchConfig] = []
+
+    class Recorder:
+        def __init__(self, config: LaunchConfig, pm: object) -> None:
+            seen.append(config)
+
+        def run_job(self) -> int:
+            return 0
+
+    for name in list(os.environ):
+        if name.startswith(("RALLYPOINT_", "PET_", "TORCH_ELASTIC_", "CUDA_VISIBLE_DEVICES")):
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(rallypoint.agent.elastic, "Agent", Recorder)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["run", *args])
+    return code, err.getvalue(), seen[0] if seen else None
+
+
+def test_the_options_of_run_are_the_table() -> None:
+    command = typer.main.get_command(build_app(get_plugin_manager()))
+    options = [p for p in command.commands["run"].params if p.param_type_name == "option"]
+    assert [option.name for option in options] == [flag.dest for flag in FLAGS]
+    for flag, option in zip(FLAGS, options, strict=True):
+        underscored = flag.name.replace("-", "_")
+        spellings = {flag.option, f"--{underscored}"} | ({flag.short} if flag.short else set())
+        assert set(option.opts) == spellings, flag.name
+        variables = [f"RALLYPOINT_{underscored.upper()}", f"PET_{underscored.upper()}"]
+        assert option.envvar == variables
+        assert option.is_flag == flag.switch and option.multiple == flag.repeated
+
+
+def test_a_flag_left_out_means_the_same_to_the_cli_and_to_python(
+    script: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One default per flag: what the command passes for a flag not given is the table's."""
+    code, stderr, given = run([script], {}, monkeypatch)
+    assert code == 0, stderr
+    assert given is not None
+    python = LaunchConfig.from_flags(get_plugin_manager().registry, training_script=script)
+    # The run id of a one-node job is fresh every time.
+    assert dataclasses.replace(given, rdzv_id="") == dataclasses.replace(python, rdzv_id="")
+
+
+def test_the_parser_reads_only_the_environment_it_is_handed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "12")
+    assert parse_flags({"training_script": "t.py"}, {})["shutdown_timeout"] == 30.0
+    torch = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "12"}
+    assert parse_flags({"training_script": "t.py"}, torch)["shutdown_timeout"] == 12.0
+    given = {"training_script": "t.py", "shutdown_timeout": "3"}
+    assert parse_flags(given, torch)["shutdown_timeout"] == 3.0  # the flag wins
+
+
+def test_a_bad_torch_shutdown_timeout_is_one_line(
+    script: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code, stderr, given = run([script], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "soon"}, monkeypatch)
+    assert (code, given) == (2, None)
+    assert stderr == (
+        "rallypoint: error: TORCH_ELASTIC_SHUTDOWN_TIMEOUT 'soon': expected a number.\n"
+    )
+
+
+def test_a_name_that_is_no_flag_is_the_callers_mistake() -> None:
+    with pytest.raises(TypeError, match="not flags of rallypoint run: nnode"):
+        parse_flags({"nnode": "2", "training_script": "t.py"}, {})
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("max_restarts", "1.5"),
+        ("max_restarts", "-1"),
+        ("monitor_interval", "0"),
+        ("exit_barrier_timeout", "nan"),
+        ("checkpoint_memory_keep", "0"),
+        ("master_port", "http"),
+    ],
+)
+def test_numbers_are_checked_as_a_plugin_s_options_are(name: str, text: str) -> None:
+    """One conversion of numbers: a flag's and a ``key=value`` option's say the same."""
+    (flag,) = (flag for flag in FLAGS if flag.dest == name)
+    option = ConfigOption(
+        name, flag.type, minimum=flag.minimum, exclusive_minimum=flag.exclusive_minimum
+    )
+    with pytest.raises(ValueError) as reason:
+        option.parse(text)
+    with pytest.raises(UsageError) as error:
+        parse_flags({"training_script": "t.py", name: text}, {})
+    assert str(error.value) == f"{flag.option} {text!r}: {reason.value}."
+
+
+@pytest.mark.parametrize("word", [*ON, *OFF, "ON", " Yes ", "False"])
+def test_on_and_off_are_spelt_one_way(
+    word: str, script: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    expected = word.strip().lower() in ON
+    assert ConfigOption("tls", bool).parse(word) is expected
+    flags = parse_flags({"training_script": script, "warm_start": word, "standalone": word}, {})
+    assert flags["warm_start"] is flags["standalone"] is expected
+    env = {"RALLYPOINT_VIRTUAL_LOCAL_RANK": word, "PET_WARM_START": word}
+    code, stderr, given = run([script], env, monkeypatch)
+    assert code == 0, stderr
+    assert given is not None
+    assert given.virtual_local_rank is given.warm_start is expected
+
+
+@pytest.mark.parametrize("word", ["y", "n", "t", "f", "2", "maybe"])
+def test_other_words_are_neither_on_nor_off(
+    word: str, script: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ValueError, match="expected true or false"):
+        ConfigOption("tls", bool).parse(word)
+    for flag, variable in (("--standalone", "PET_STANDALONE"), ("--warm-start", "PET_WARM_START")):
+        code, stderr, given = run([script], {variable: word}, monkeypatch)
+        assert (code, given) == (2, None)
+        assert stderr == f"rallypoint: error: {flag} {word!r}: choose on or off.\n"
+
+
+def test_the_checks_of_the_machine_are_preflight_s(tmp_path: Path) -> None:
+    """``from_flags`` reads the flags; what this machine lacks is ``preflight``'s to refuse."""
+    registry = get_plugin_manager().registry
+    missing = str(tmp_path / "nope.py")
+
+    def config(**flags: Any) -> LaunchConfig:
+        return LaunchConfig.from_flags(registry, training_script=missing, **flags)
+
+    with pytest.raises(UsageError, match=r"^--logs-specs 'nowhere': no torchrun.logs_specs"):
+        preflight(config(logs_specs="nowhere"))
+    with pytest.raises(UsageError, match=r"^--checkpoint-memory 100000TB: needs 100000000\.0 GB"):
+        preflight(config(checkpoint_memory="100000TB"))
+    with pytest.raises(UsageError, match="CUDA_VISIBLE_DEVICES='0' names 1 devices"):
+        preflight(
+            config(nproc_per_node="2", virtual_local_rank=True), {"CUDA_VISIBLE_DEVICES": "0"}
+        )
+    with pytest.raises(UsageError, match=r"^training script '.*nope\.py' does not exist\.$"):
+        preflight(config(nproc_per_node="2", virtual_local_rank=True), {})
+    (tmp_path / "train.py").write_text("")
+    logged = config(event_log=str(tmp_path))
+    with pytest.raises(UsageError, match=r"^--event-log '.*': is a directory; name a file in it"):
+        preflight(dataclasses.replace(logged, training_script=str(tmp_path / "train.py")))
+
+
+@pytest.mark.parametrize("text", ["4GB", "2GiB", "1500MB", "512MB", "100000TB", "1KiB", "123"])
+def test_a_size_is_shown_as_it_is_read(text: str) -> None:
+    assert format_size(parse_size(text, "--checkpoint-memory")) == text
