@@ -143,7 +143,7 @@ def test_plugins_json_lists_core_and_the_three_plugins() -> None:
     assert plugins["etcd"]["registered"] == {"rendezvous backend": ["etcd"]}
     assert plugins["redis"]["distribution"] == "rallypoint-redis"
     assert plugins["prometheus"]["registered"] == {"metrics sink": ["prometheus"]}
-    assert plugins["rallypoint.builtins.rendezvous"]["builtin"] is True
+    assert plugins["rallypoint.builtins.rendezvous_backends"]["builtin"] is True
     assert all(p["status"] == "active" for p in plugins.values())
     assert payload["available"]["rendezvous backend"] == ["c10d", "etcd", "redis", "static"]
     assert payload["conflicts"] == []

@@ -442,7 +442,7 @@ def test_the_memory_flags_reach_no_worker_without_the_tier(tmp_path: Path) -> No
 
 
 def _memory(pm: Any, tmp_path: Path) -> Any:
-    from rallypoint.agent.memory import NodeMemory
+    from rallypoint.agent.node_memory import NodeMemory
     from rallypoint.config import LaunchConfig
 
     script = tmp_path / "train.py"

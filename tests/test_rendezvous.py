@@ -28,7 +28,7 @@ from launch import (
     worker,
 )
 from rallypoint.interfaces import StoreError, StoreUnavailable
-from rallypoint.rendezvous.memory import MemoryStore
+from rallypoint.rendezvous.memory_store import MemoryStore
 from rallypoint.rendezvous.retrying import RetryingStore
 from rallypoint.rendezvous.tcpstore import TCPStoreClient
 from servers import free_port
@@ -359,7 +359,7 @@ def test_a_joiner_is_alive_before_its_record_is_read(monkeypatch: pytest.MonkeyP
 
 
 def test_a_plugin_handler_without_a_method_the_agent_calls_is_refused() -> None:
-    from rallypoint.agent.rendezvous import checked_handler
+    from rallypoint.agent.rendezvous_handler import checked_handler
     from rallypoint.errors import UsageError
 
     class Partial:
@@ -370,7 +370,7 @@ def test_a_plugin_handler_without_a_method_the_agent_calls_is_refused() -> None:
 
 
 def test_a_plugin_handler_gets_the_optional_methods_from_the_base_class() -> None:
-    from rallypoint.agent.rendezvous import checked_handler
+    from rallypoint.agent.rendezvous_handler import checked_handler
     from rallypoint.sdk import RendezvousHandler
 
     class Mine(RendezvousHandler):

@@ -9,7 +9,7 @@ from rallypoint.rendezvous import calls, generations, records
 from rallypoint.rendezvous.generations import current_generation, inspect_run
 from rallypoint.rendezvous.heartbeat import progress_line
 from rallypoint.rendezvous.keys import Keys
-from rallypoint.rendezvous.memory import MemoryStore
+from rallypoint.rendezvous.memory_store import MemoryStore
 from rallypoint.rendezvous.settings import Settings
 
 SETTINGS = Settings.from_conf(2, 4, {"last_call_timeout": 30})

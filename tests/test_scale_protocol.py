@@ -13,7 +13,7 @@ from rallypoint.builtins.rank_assigners import register_rank_assigners
 from rallypoint.extensions import NodeSpec
 from rallypoint.interfaces import Assignment, RendezvousTimeout
 from rallypoint.rendezvous.keys import Keys
-from rallypoint.rendezvous.memory import MemoryStore
+from rallypoint.rendezvous.memory_store import MemoryStore
 from rallypoint.rendezvous.protocol import StoreRendezvous
 from rallypoint.rendezvous.settings import Settings
 from rallypoint.rendezvous.status import read_status

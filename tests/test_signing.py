@@ -16,7 +16,7 @@ from rallypoint.extensions import NodeSpec
 from rallypoint.interfaces import Assignment, RendezvousFailed
 from rallypoint.rendezvous import records
 from rallypoint.rendezvous.liveness import _GONE
-from rallypoint.rendezvous.memory import MemoryStore
+from rallypoint.rendezvous.memory_store import MemoryStore
 from rallypoint.rendezvous.protocol import StoreRendezvous
 from rallypoint.rendezvous.settings import Settings
 from rallypoint.rendezvous.signing import GONE, Seal, SignedStore

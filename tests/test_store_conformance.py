@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from rallypoint.rendezvous.memory import MemoryStore
+from rallypoint.rendezvous.memory_store import MemoryStore
 from rallypoint.rendezvous.tcpstore import TCPStoreClient
 from rallypoint.testing.store_conformance import Connect, StoreConformance
 from servers import free_port

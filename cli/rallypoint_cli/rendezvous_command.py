@@ -15,12 +15,12 @@ from rallypoint.flags import check_run_id
 from rallypoint.interfaces import CoordinationStore
 from rallypoint.plugins import PluginManager
 from rallypoint.registry import RENDEZVOUS_BACKENDS
-from rallypoint.rendezvous.factory import connect
 from rallypoint.rendezvous.generations import current_generation, has_records, inspect_run
 from rallypoint.rendezvous.keys import Keys
 from rallypoint.rendezvous.settings import Settings
 from rallypoint.rendezvous.signing import Seal, SignedStore
 from rallypoint.rendezvous.status import read_status
+from rallypoint.rendezvous.store_handler import connect
 
 
 def _open(
@@ -105,7 +105,7 @@ def register(app: typer.Typer, pm: PluginManager) -> None:
     ) -> None:
         """Delete a run's records from the store (every attempt of it). Refused while an
         agent of the run is alive, unless --force."""
-        if pm.registry.get(RENDEZVOUS_BACKENDS, rdzv_backend).name in ("c10d", "static"):
+        if pm.registry.get(RENDEZVOUS_BACKENDS, rdzv_backend).store_in_agent:
             raise UsageError(
                 f"--rdzv-backend {rdzv_backend}: its store lives in the agent that hosts it "
                 "and ends with it; there is nothing to clear."

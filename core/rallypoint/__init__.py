@@ -8,8 +8,8 @@ agent's progress watchdog (``--watchdog-timeout``).
 """
 
 from rallypoint.hookspecs import hookimpl
-from rallypoint.worker.errors import record
 from rallypoint.worker.progress import heartbeat
+from rallypoint.worker.record import record
 
 __version__ = "0.1.0"
 

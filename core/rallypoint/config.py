@@ -37,7 +37,7 @@ from rallypoint.registry import (
 )
 from rallypoint.rendezvous import torch_keys
 from rallypoint.slurm import apply_slurm
-from rallypoint.worker import env
+from rallypoint.worker import variables
 
 #: torchrun's port of rank 0 when ``--master-port`` is not given (static rendezvous).
 DEFAULT_MASTER_PORT = 29500
@@ -304,7 +304,7 @@ def _accelerator_count(kind: str) -> int:
 # --- the job's secret -------------------------------------------------------------------------
 
 #: The environment variable that may hold the job's secret (never a flag: ``ps`` shows those).
-TOKEN_ENV = env.JOB_TOKEN
+TOKEN_ENV = variables.JOB_TOKEN
 
 
 def job_token(options: Mapping[str, Any], environ: Mapping[str, str]) -> bytes | None:
@@ -341,14 +341,14 @@ def _check_rendezvous(backend: RendezvousBackend, shape: _Shape) -> None:
             f"--rdzv-endpoint is required with --rdzv-backend {backend.name} "
             "(give host:port of the rendezvous service)."
         )
-    if backend.name == "static":
-        _check_static(shape.min_nodes, shape.max_nodes, shape.node_rank)
+    if backend.given_ranks:
+        _check_given_ranks(backend.name, shape.min_nodes, shape.max_nodes, shape.node_rank)
 
 
-def _check_static(min_nodes: int, max_nodes: int, node_rank: int) -> None:
+def _check_given_ranks(name: str, min_nodes: int, max_nodes: int, node_rank: int) -> None:
     if min_nodes != max_nodes:
         raise UsageError(
-            f"--rdzv-backend static needs a fixed --nnodes N, not {min_nodes}:{max_nodes}; "
+            f"--rdzv-backend {name} needs a fixed --nnodes N, not {min_nodes}:{max_nodes}; "
             "use c10d, etcd or redis for an elastic job."
         )
     if not 0 <= node_rank < max_nodes:

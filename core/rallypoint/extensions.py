@@ -299,6 +299,11 @@ class RendezvousBackend:
             every backend; a torch key a backend neither declares nor renames is accepted
             and reported as having no effect (``rallypoint.rendezvous.torch_keys``).
         validate: checks across options, run when the flags are parsed (see ``Validate``).
+        given_ranks: torchrun's static rendezvous: the job's size is fixed (``--nnodes N``),
+            each node gives its group rank (``--node-rank``, below N), and group rank 0's
+            workers meet at ``--master-addr:--master-port``, also in a job of one node.
+        store_in_agent: the store lives in an agent's process and ends with it (c10d's
+            TCPStore): there is nothing of a run to clear from it afterwards.
     """
 
     name: str
@@ -309,6 +314,8 @@ class RendezvousBackend:
     create_handler: Callable[[RendezvousRequest], RendezvousHandler] | None = None
     torch_keys: Mapping[str, str] = field(default_factory=dict)
     validate: Validate | None = None
+    given_ranks: bool = False
+    store_in_agent: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", normalise_name(self.name))

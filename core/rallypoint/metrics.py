@@ -43,7 +43,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from rallypoint.worker import env
+from rallypoint.worker import variables
 from rallypoint.worker.progress import heartbeat
 
 __all__ = [
@@ -63,7 +63,7 @@ __all__ = [
 ]
 
 #: The variable the agent sets in the worker environment: the node's metrics directory.
-ENV = env.METRICS_DIR
+ENV = variables.METRICS_DIR
 
 #: prometheus_client's default histogram buckets, in seconds.
 DEFAULT_BUCKETS: tuple[float, ...] = (
@@ -109,7 +109,7 @@ class _Backend:
         if not getattr(values.ValueClass, "_multiprocess", False):
             values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
         self.client = prometheus_client
-        self.rank = os.environ.get(env.RANK, "0")
+        self.rank = os.environ.get(variables.RANK, "0")
 
 
 _state: dict[str, _Backend | None] = {}

@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "rallypoint"
 
 BUILTIN_PLUGINS: tuple[str, ...] = (
-    "rallypoint.builtins.rendezvous",
+    "rallypoint.builtins.rendezvous_backends",
     "rallypoint.builtins.restart_policies",
     "rallypoint.builtins.rank_assigners",
     "rallypoint.builtins.checkpoint_backends",

@@ -263,7 +263,9 @@ class Registry:
             raise UsageError(f"--checkpoint-dir {url!r}: {error}") from None
         except Exception as error:  # a plugin's bug: one sentence naming it, no traceback
             who = describe(CHECKPOINT_BACKENDS, backend)
-            raise UsageError(plugin_failure(who, "check", error, "the job does not start")) from None
+            raise UsageError(
+                plugin_failure(who, "check", error, "the job does not start")
+            ) from None
         return backend
 
     def checkpoint_backend_for(self, url: str) -> CheckpointBackend:

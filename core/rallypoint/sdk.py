@@ -73,7 +73,7 @@ from rallypoint.interfaces import (
 from rallypoint.redact import redact_endpoint, redact_urls
 from rallypoint.rendezvous.endpoints import parse_endpoint
 from rallypoint.rendezvous.liveness import CounterLiveness
-from rallypoint.rendezvous.memory import MemoryStore
+from rallypoint.rendezvous.memory_store import MemoryStore
 
 __all__ = [
     "AGENT_STARTED",

@@ -47,12 +47,12 @@ from rallypoint.agent.failures import (
 )
 from rallypoint.agent.keeper import Keeper
 from rallypoint.agent.logs import STDERR, STDOUT, AttemptLogs, TorchLogsSpecs, default_logs
-from rallypoint.agent.memory import NodeMemory
+from rallypoint.agent.node_memory import NodeMemory
 from rallypoint.agent.notice import SaveNotice, notice_step
 from rallypoint.agent.oom import cgroup_kills, oom_killed
-from rallypoint.agent.progress import Progress
-from rallypoint.agent.rendezvous import create_handler
+from rallypoint.agent.rendezvous_handler import create_handler
 from rallypoint.agent.restarts import FAILURE, MEMBERSHIP, Failure, Restarts, lost_nodes
+from rallypoint.agent.steps import Progress
 from rallypoint.agent.stragglers import Pace, stragglers
 from rallypoint.agent.warm import WarmStart
 from rallypoint.agent.watchdog import Watchdog
@@ -71,7 +71,7 @@ from rallypoint.plugins import PluginManager
 from rallypoint.registry import METRICS_SINKS, RESTART_POLICIES, describe, plugin_failure
 from rallypoint.rendezvous.endpoints import node_address
 from rallypoint.worker.channel import Receiver
-from rallypoint.worker.errors import error_record
+from rallypoint.worker.record import error_record
 
 logger = logging.getLogger("rallypoint.agent")
 

@@ -16,48 +16,48 @@ from dataclasses import dataclass
 
 from rallypoint.config import LaunchConfig
 from rallypoint.interfaces import Assignment
-from rallypoint.worker import env
+from rallypoint.worker import variables
 
 #: ``--checkpoint-memory``'s variables: set per worker, and never inherited from the agent.
 MEMORY_TIER = (
-    env.CHECKPOINT_MEMORY,
-    env.CHECKPOINT_MEMORY_BYTES,
-    env.CHECKPOINT_MEMORY_KEEP,
-    env.CHECKPOINT_STEP,
+    variables.CHECKPOINT_MEMORY,
+    variables.CHECKPOINT_MEMORY_BYTES,
+    variables.CHECKPOINT_MEMORY_KEEP,
+    variables.CHECKPOINT_STEP,
 )
 #: What ``worker_environment`` sets for each worker on top of ``job_environment``: read
 #: when a script runs (by ``init_process_group``, rallypoint's worker modules, CUDA's
 #: initialisation), never by an import, so a preloaded interpreter need not have them.
 PER_WORKER = frozenset(
     {
-        env.RANK,
-        env.LOCAL_RANK,
-        env.WORLD_SIZE,
-        env.LOCAL_WORLD_SIZE,
-        env.GROUP_RANK,
-        env.GROUP_WORLD_SIZE,
-        env.ROLE_RANK,
-        env.ROLE_NAME,
-        env.ROLE_WORLD_SIZE,
-        env.MASTER_ADDR,
-        env.MASTER_PORT,
-        env.RESTART_COUNT,
-        env.MAX_RESTARTS,
-        env.TORCH_RUN_ID,
-        env.USE_AGENT_STORE,
-        env.ERROR_FILE,
-        env.SIGNALS_TO_HANDLE,
-        env.RUN_ID,
-        env.NODE_ID,
-        env.RENDEZVOUS_ROUND,
-        env.NODE_LOCAL_RANK,
-        env.CUDA_VISIBLE_DEVICES,  # --virtual-local-rank
-        env.CHECKPOINT_URL,
+        variables.RANK,
+        variables.LOCAL_RANK,
+        variables.WORLD_SIZE,
+        variables.LOCAL_WORLD_SIZE,
+        variables.GROUP_RANK,
+        variables.GROUP_WORLD_SIZE,
+        variables.ROLE_RANK,
+        variables.ROLE_NAME,
+        variables.ROLE_WORLD_SIZE,
+        variables.MASTER_ADDR,
+        variables.MASTER_PORT,
+        variables.RESTART_COUNT,
+        variables.MAX_RESTARTS,
+        variables.TORCH_RUN_ID,
+        variables.USE_AGENT_STORE,
+        variables.ERROR_FILE,
+        variables.SIGNALS_TO_HANDLE,
+        variables.RUN_ID,
+        variables.NODE_ID,
+        variables.RENDEZVOUS_ROUND,
+        variables.NODE_LOCAL_RANK,
+        variables.CUDA_VISIBLE_DEVICES,  # --virtual-local-rank
+        variables.CHECKPOINT_URL,
         *MEMORY_TIER,
-        env.EVENTS_SOCKET,
-        env.METRICS_DIR,
-        env.PROGRESS_TIMEOUT,
-        env.SAVE_NOTICE,
+        variables.EVENTS_SOCKET,
+        variables.METRICS_DIR,
+        variables.PROGRESS_TIMEOUT,
+        variables.SAVE_NOTICE,
     }
 )
 
@@ -66,13 +66,18 @@ def job_environment(config: LaunchConfig, base: Mapping[str, str] | None = None)
     """What every worker of this node shares: the agent's environment (or ``base``) with
     torchrun's defaults. The preloaded interpreter imports with exactly this."""
     environ = dict(os.environ if base is None else base)
-    environ.setdefault(env.NCCL_ASYNC_ERROR_HANDLING, "1")
+    environ.setdefault(variables.NCCL_ASYNC_ERROR_HANDLING, "1")
     if config.nproc_per_node > 1:
         # torchrun's choice: many workers each using every core oversubscribe the host.
-        environ.setdefault(env.OMP_NUM_THREADS, "1")
+        environ.setdefault(variables.OMP_NUM_THREADS, "1")
     # Inherited (an agent run by a worker): not this agent's watchdog, nor its memory.
     # The job's secret is the agents': no worker gets it.
-    for name in (env.PROGRESS_TIMEOUT, env.SAVE_NOTICE, env.JOB_TOKEN, *MEMORY_TIER):
+    for name in (
+        variables.PROGRESS_TIMEOUT,
+        variables.SAVE_NOTICE,
+        variables.JOB_TOKEN,
+        *MEMORY_TIER,
+    ):
         environ.pop(name, None)
     return environ
 
@@ -94,57 +99,57 @@ def worker_environment(
 ) -> dict[str, str]:
     """The full environment of the worker ``local_rank`` for this round and attempt."""
     environ = job_environment(config, base)
-    info = assignment.info
-    rank = assignment.rank_offset + local_rank
+    info, rank = assignment.info, assignment.rank_offset + local_rank
     environ.update(
         {
-            env.RANK: str(rank),
-            env.LOCAL_RANK: str(local_rank),
-            env.WORLD_SIZE: str(info.world_size),
-            env.LOCAL_WORLD_SIZE: str(config.nproc_per_node),
-            env.GROUP_RANK: str(info.group_rank),
-            env.GROUP_WORLD_SIZE: str(info.group_world_size),
-            env.ROLE_RANK: str(rank),
-            env.ROLE_NAME: config.role,
-            env.ROLE_WORLD_SIZE: str(info.world_size),
-            env.MASTER_ADDR: info.master_addr,
-            env.MASTER_PORT: str(info.master_port),
-            env.RESTART_COUNT: str(restart_count),
-            env.MAX_RESTARTS: str(config.max_restarts),
-            env.TORCH_RUN_ID: config.rdzv_id,
-            env.USE_AGENT_STORE: "False",
-            env.ERROR_FILE: error_file,
-            env.SIGNALS_TO_HANDLE: ",".join(config.signals_to_handle),
-            env.RUN_ID: config.rdzv_id,
-            env.NODE_ID: node_id,
-            env.RENDEZVOUS_ROUND: str(info.round),
-            env.NODE_LOCAL_RANK: str(local_rank),
+            variables.RANK: str(rank),
+            variables.LOCAL_RANK: str(local_rank),
+            variables.WORLD_SIZE: str(info.world_size),
+            variables.LOCAL_WORLD_SIZE: str(config.nproc_per_node),
+            variables.GROUP_RANK: str(info.group_rank),
+            variables.GROUP_WORLD_SIZE: str(info.group_world_size),
+            variables.ROLE_RANK: str(rank),
+            variables.ROLE_NAME: config.role,
+            variables.ROLE_WORLD_SIZE: str(info.world_size),
+            variables.MASTER_ADDR: info.master_addr,
+            variables.MASTER_PORT: str(info.master_port),
+            variables.RESTART_COUNT: str(restart_count),
+            variables.MAX_RESTARTS: str(config.max_restarts),
+            variables.TORCH_RUN_ID: config.rdzv_id,
+            variables.USE_AGENT_STORE: "False",
+            variables.ERROR_FILE: error_file,
+            variables.SIGNALS_TO_HANDLE: ",".join(config.signals_to_handle),
+            variables.RUN_ID: config.rdzv_id,
+            variables.NODE_ID: node_id,
+            variables.RENDEZVOUS_ROUND: str(info.round),
+            variables.NODE_LOCAL_RANK: str(local_rank),
         }
     )
     if config.virtual_local_rank:
         environ.update(_own_device(local_rank))
+    watchdog = f"{config.watchdog_timeout:g}" if config.watchdog_timeout else None
     optional = {
-        env.CHECKPOINT_URL: config.checkpoint_dir,
-        env.CHECKPOINT_MEMORY: checkpoint_memory,
-        env.CHECKPOINT_STEP: None if checkpoint_step is None else str(checkpoint_step),
-        env.EVENTS_SOCKET: events_socket,
-        env.METRICS_DIR: metrics_dir,
-        env.PROGRESS_TIMEOUT: f"{config.watchdog_timeout:g}" if config.watchdog_timeout else None,
-        env.SAVE_NOTICE: save_notice,
+        variables.CHECKPOINT_URL: config.checkpoint_dir,
+        variables.CHECKPOINT_MEMORY: checkpoint_memory,
+        variables.CHECKPOINT_STEP: None if checkpoint_step is None else str(checkpoint_step),
+        variables.EVENTS_SOCKET: events_socket,
+        variables.METRICS_DIR: metrics_dir,
+        variables.PROGRESS_TIMEOUT: watchdog,
+        variables.SAVE_NOTICE: save_notice,
     }
     environ.update({name: value for name, value in optional.items() if value})
     if checkpoint_memory:
-        environ[env.CHECKPOINT_MEMORY_BYTES] = str(config.checkpoint_memory)
-        environ[env.CHECKPOINT_MEMORY_KEEP] = str(config.checkpoint_memory_keep)
+        environ[variables.CHECKPOINT_MEMORY_BYTES] = str(config.checkpoint_memory)
+        environ[variables.CHECKPOINT_MEMORY_KEEP] = str(config.checkpoint_memory_keep)
     return environ
 
 
 def _own_device(local_rank: int) -> dict[str, str]:
     """torchrun's ``--virtual-local-rank``: each worker sees only its device, as device 0."""
-    visible = os.environ.get(env.CUDA_VISIBLE_DEVICES)
+    visible = os.environ.get(variables.CUDA_VISIBLE_DEVICES)
     devices = [d.strip() for d in visible.split(",")] if visible is not None else None
     device = devices[local_rank] if devices is not None else str(local_rank)
-    return {env.LOCAL_RANK: "0", env.CUDA_VISIBLE_DEVICES: device}
+    return {variables.LOCAL_RANK: "0", variables.CUDA_VISIBLE_DEVICES: device}
 
 
 #: What ``--run-path`` runs: torchrun's ``runpy.run_path`` of the script, under ``-c``.

@@ -24,12 +24,12 @@ from rallypoint.checkpoint.storage import FileStorage, Prefixed
 from rallypoint.checkpoint.tier import BEGUN, DURABLE, MEMORY, PEER, Tier
 from rallypoint.interfaces import CheckpointError, CheckpointStorage
 from rallypoint.worker import channel as worker_channel
-from rallypoint.worker import env, notice, progress
+from rallypoint.worker import notice, progress, variables
 
 logger = logging.getLogger("rallypoint.checkpoint")
 
 #: The variable the agent sets from ``--checkpoint-dir``.
-URL_ENV = env.CHECKPOINT_URL
+URL_ENV = variables.CHECKPOINT_URL
 STATE_FILE = "state.pt"
 SHARDS = "shards"
 #: The agent's memory directory: where a peer's copies go (the node's own are in arena/).
@@ -107,7 +107,7 @@ class Checkpointer:
         world_size: int | None = None,
     ) -> None:
         url = url or os.environ.get(URL_ENV)
-        memory = os.environ.get(env.CHECKPOINT_MEMORY) if storage is None else None
+        memory = os.environ.get(variables.CHECKPOINT_MEMORY) if storage is None else None
         if storage is None and url:
             storage = open_storage(url)
         if storage is None and not memory:
@@ -123,10 +123,12 @@ class Checkpointer:
         if self.memory is not None:
             self.peer = Tier(FileStorage(str(self.memory / PEER_FOLDER)), 1, PEER)
         #: The step the round resumes from (decided by the agents), loaded in any tier.
-        self.resume = env.env_int(env.CHECKPOINT_STEP) if memory else None
+        self.resume = variables.env_int(variables.CHECKPOINT_STEP) if memory else None
         self.keep_last = keep_last
-        self.rank = (env.env_int(env.RANK) or 0) if rank is None else rank
-        self.world_size = (env.env_int(env.WORLD_SIZE) or 1) if world_size is None else world_size
+        self.rank = (variables.env_int(variables.RANK) or 0) if rank is None else rank
+        self.world_size = (
+            (variables.env_int(variables.WORLD_SIZE) or 1) if world_size is None else world_size
+        )
         self._arena: arena.Arena | None = None
         self._staging = Staging()  # asynchronous saves to the durable storage
 
@@ -214,12 +216,14 @@ class Checkpointer:
     def _memory_arena(self) -> arena.Arena:
         if self._arena is None:
             assert self.memory is not None
-            local_rank = env.env_int(env.NODE_LOCAL_RANK)
+            local_rank = variables.env_int(variables.NODE_LOCAL_RANK)
             self._arena = arena.Arena(
                 self.memory,
-                (env.env_int(env.LOCAL_RANK) or 0) if local_rank is None else local_rank,
-                keep=env.env_int(env.CHECKPOINT_MEMORY_KEEP) or 1,
-                budget=env.env_int(env.CHECKPOINT_MEMORY_BYTES),
+                (variables.env_int(variables.LOCAL_RANK) or 0)
+                if local_rank is None
+                else local_rank,
+                keep=variables.env_int(variables.CHECKPOINT_MEMORY_KEEP) or 1,
+                budget=variables.env_int(variables.CHECKPOINT_MEMORY_BYTES),
                 saved=_tell_agent,
             )
         return self._arena

@@ -1,5 +1,5 @@
 """Rendezvous: how the agents of a job agree on membership, ranks and the master address.
 
 The agent only talks to a ``RendezvousHandler``; which handler it gets is decided once, in
-``agent.rendezvous.create_handler``, from the launch configuration.
+``agent.rendezvous_handler.create_handler``, from the launch configuration.
 """

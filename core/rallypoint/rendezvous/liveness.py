@@ -3,7 +3,7 @@ node's own stalls, which keep it from taking the others for dead (``Stalls``).
 
 The store interface is ``rallypoint.interfaces.CoordinationStore``; a backend implements
 its few operations on its service (torch's TCPStore, etcd, Redis) and gets the whole
-protocol of ``rendezvous.protocol``. ``rendezvous.memory.MemoryStore`` is the reference
+protocol of ``rendezvous.protocol``. ``rendezvous.memory_store.MemoryStore`` is the reference
 implementation, in one process.
 """
 

@@ -41,7 +41,7 @@ from rallypoint.rendezvous.calls import Call, Steps
 from rallypoint.rendezvous.heartbeat import WAKE_SLICE, Heartbeat
 from rallypoint.rendezvous.joining import Joining
 from rallypoint.rendezvous.keys import Keys
-from rallypoint.rendezvous.memory import MemoryStore
+from rallypoint.rendezvous.memory_store import MemoryStore
 from rallypoint.rendezvous.node import NodeState
 from rallypoint.rendezvous.protocol import leave
 from rallypoint.rendezvous.retrying import Backoff

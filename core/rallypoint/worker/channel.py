@@ -22,9 +22,9 @@ from collections.abc import Callable
 from typing import Any
 
 from rallypoint import events
-from rallypoint.worker import env
+from rallypoint.worker import variables
 
-ENV = env.EVENTS_SOCKET
+ENV = variables.EVENTS_SOCKET
 #: The events a worker may send; anything else is ignored by the agent.
 WORKER_EVENTS = frozenset({events.CHECKPOINT_SAVED, events.CHECKPOINT_LOADED})
 #: A worker's sign of progress: for the agent's watchdog only, never an event of the run.
@@ -46,10 +46,10 @@ def send(name: str, **data: Any) -> None:
     if not address:
         return
     # RALLYPOINT_LOCAL_RANK: the real one, also under --virtual-local-rank (LOCAL_RANK 0).
-    local_rank = env.env_int(env.NODE_LOCAL_RANK)
+    local_rank = variables.env_int(variables.NODE_LOCAL_RANK)
     if local_rank is None:
-        local_rank = env.env_int(env.LOCAL_RANK)
-    payload = {"event": name, "rank": env.env_int(env.RANK), "local_rank": local_rank}
+        local_rank = variables.env_int(variables.LOCAL_RANK)
+    payload = {"event": name, "rank": variables.env_int(variables.RANK), "local_rank": local_rank}
     message = json.dumps({**payload, **data}, default=str).encode()
     with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.setblocking(False)

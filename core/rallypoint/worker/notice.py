@@ -20,9 +20,9 @@ import os
 import struct
 import time
 
-from rallypoint.worker import channel, env, progress
+from rallypoint.worker import channel, progress, variables
 
-ENV = env.SAVE_NOTICE
+ENV = variables.SAVE_NOTICE
 #: The worker's messages to its agent (control messages, like heartbeats: not events).
 WATCHING = channel.NOTICE_WATCHING
 HELD = channel.NOTICE_HELD

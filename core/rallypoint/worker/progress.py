@@ -22,10 +22,10 @@ import os
 import time
 
 from rallypoint.worker import channel as worker_channel
-from rallypoint.worker import env
+from rallypoint.worker import variables
 
 #: The variable the agent sets from ``--watchdog-timeout`` (unset: no watchdog).
-ENV = env.PROGRESS_TIMEOUT
+ENV = variables.PROGRESS_TIMEOUT
 #: The longest a heartbeat waits behind the previous one (rate limit).
 _MIN_GAP = 0.1
 

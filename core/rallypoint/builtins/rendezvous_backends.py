@@ -9,7 +9,7 @@ Both run core's rendezvous protocol on a torch TCPStore hosted by one of the age
   of N nodes only runs when all N are there.
 
 ``--standalone`` and any job of one node run the same protocol on a store in the agent's
-memory (``agent.rendezvous.create_handler``).
+memory (``agent.rendezvous_handler.create_handler``).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def _tcpstore(
 
 def static_handler(request: RendezvousRequest) -> RendezvousHandler:
     """The protocol with fixed membership: MIN = MAX = --nnodes, ranks = node ranks."""
-    from rallypoint.rendezvous.factory import protocol_handler
+    from rallypoint.rendezvous.store_handler import protocol_handler
 
     node = request.node
     labels = {**node.labels, NODE_RANK_LABEL: str(request.node_rank)}
@@ -123,6 +123,8 @@ def register_rendezvous_backends() -> list[RendezvousBackend]:
             endpoint_required=False,
             connect=connect_static,
             create_handler=static_handler,
+            given_ranks=True,
+            store_in_agent=True,
         ),
         RendezvousBackend(
             name="c10d",
@@ -133,5 +135,6 @@ def register_rendezvous_backends() -> list[RendezvousBackend]:
             options=(*COMMON_RENDEZVOUS_OPTIONS, *_TCPSTORE_OPTIONS),
             endpoint_required=False,
             connect=connect_c10d,
+            store_in_agent=True,
         ),
     ]

@@ -10,8 +10,8 @@ from rallypoint.errors import UsageError
 from rallypoint.extensions import NodeSpec, RendezvousRequest
 from rallypoint.interfaces import RendezvousHandler
 from rallypoint.registry import replace_registration
-from rallypoint.rendezvous.factory import connect, protocol_handler
 from rallypoint.rendezvous.readiness import Ready
+from rallypoint.rendezvous.store_handler import connect, protocol_handler
 
 Offer = Callable[[], Mapping[str, str]]
 Pace = Callable[[], "float | None"]
@@ -66,9 +66,9 @@ def create_handler(
     request = request_for(config, node, offer, pace, ready)
     backend = config.rendezvous.item
     if config.max_nodes == 1:
-        from rallypoint.rendezvous.memory import MemoryStore
+        from rallypoint.rendezvous.memory_store import MemoryStore
 
-        if backend.name == "static":  # torchrun's: the given master address, a fixed port
+        if backend.given_ranks:  # torchrun's static: the given master address, a fixed port
             port = config.master_port or DEFAULT_MASTER_PORT
             return protocol_handler(MemoryStore(), request, config.master_addr, port)
         return protocol_handler(MemoryStore(), request, "localhost")

@@ -23,7 +23,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
-from rallypoint.worker import env
+from rallypoint.worker import variables
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -46,7 +46,7 @@ def error_record(error: BaseException) -> dict[str, Any]:
 
 def write_error_file(error: BaseException, path: str | None = None) -> None:
     """Write ``error`` and its traceback to the error file, in torch's JSON format."""
-    target = path or os.environ.get(env.ERROR_FILE)
+    target = path or os.environ.get(variables.ERROR_FILE)
     if not target:
         return
     with open(target, "w", encoding="utf-8") as handle:
