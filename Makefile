@@ -139,6 +139,7 @@ bench: install
 	$(PY) benchmarks/bench_metrics.py
 	$(PY) benchmarks/bench_goodput.py
 	$(PY) benchmarks/bench_scale.py
+	$(PY) benchmarks/bench_scrape.py
 
 clean:
 	rm -rf $(VENV) $(LATEST) $(LOWEST) site .pytest_cache .mypy_cache .ruff_cache $(DEMO_DIR)

@@ -176,3 +176,40 @@ def test_workers_that_never_stepped_count_as_restarting_not_training() -> None:
     ]
     segments = goodput.account(records).nodes[0].segments
     assert [s.phase for s in segments if s.end > 20.7] == ["restart", "detection", "restart"]
+
+
+def test_the_sums_kept_event_by_event_are_the_account_at_every_moment() -> None:
+    """An accountant's snapshot (its sums, kept as the events come) is the whole account of
+    the events so far, at every event: through a failure, a load, redone steps, workers
+    that never stepped, and a node whose save holds up the other's training."""
+    other = [
+        {**event(name, at, **data), "node": "n2", "host": "h2"}
+        for name, at, data in [
+            ("agent_started", 1, {}),
+            ("workers_started", 3, {"round": 0, "world_size": 2}),
+            ("progress", 5, {"step": 0}),
+            ("checkpoint_saved", 11, {"step": 7, "seconds": 2.0, "blocked_seconds": 1.5}),
+            ("agent_stopping", 22, {"exit_code": 0}),
+        ]
+    ]
+    records = [
+        *LIFE,
+        event("worker_failed", 20.5, timestamp=20.4, detected=20.45, signal="SIGKILL"),
+        event("rendezvous_started", 20.5),
+        event("rendezvous_completed", 20.6, round=2, world_size=2),
+        event("workers_started", 20.7, round=2, world_size=2),
+        event("agent_stopping", 23, exit_code=1),
+    ]
+    records = sorted(records + other, key=lambda r: float(r["wall_time"]))
+    accountant = goodput.Accountant()
+    for index, record in enumerate(records):
+        accountant.add_record(record)
+        for now in (None, float(record["wall_time"]) + 0.25):
+            whole, sums = goodput.account(records[: index + 1], now), accountant.snapshot(now)
+            assert sums.phases == pytest.approx(whole.phases, abs=1e-9), (index, now)
+            assert (sums.total, list(sums.incidents)) == (
+                pytest.approx(whole.total),
+                whole.incidents,
+            )
+    # Each save holds up both nodes: n1's 0.5 s and n2's 1.5 s.
+    assert whole.phases[goodput.CHECKPOINT] == pytest.approx(2 * (0.5 + 1.5))

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from launch import rallypoint, worker
-from rallypoint import goodput, report_html
+from rallypoint import goodput
+from rallypoint_cli import report_html
 from servers import require_binary
 
 #: Rank 1 SIGKILLs itself in step 20; the job restarts once from node memory and finishes.

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import typer
 
-from rallypoint import goodput, report_html
+from rallypoint import goodput
 from rallypoint.errors import UsageError
 from rallypoint.plugins import PluginManager
+from rallypoint_cli import report_html
 
 
 def register(app: typer.Typer, pm: PluginManager) -> None:
@@ -32,9 +33,7 @@ def register(app: typer.Typer, pm: PluginManager) -> None:
     ) -> None:
         """Goodput: the time per phase (training, restarts, redone steps...), failures and
         recoveries of a job, from its agents' event logs."""
-        records, skipped = goodput.read(event_logs)
-        account = goodput.account(records)
-        account.skipped_lines = skipped
+        account = goodput.load(event_logs)
         if html is not None:
             # Written before anything is printed: a path that cannot be written is the
             # whole command's error, not a line after a summary.

@@ -56,6 +56,7 @@ from rallypoint.extensions import (
     check_liveness_ttl,
     liveness_ttl,
 )
+from rallypoint.goodput import Accountant as GoodputAccountant
 from rallypoint.goodput import account as goodput_account
 from rallypoint.goodput import stall as goodput_stall
 from rallypoint.hookspecs import hookimpl
@@ -101,6 +102,7 @@ __all__ = [
     "CounterLiveness",
     "Event",
     "EventSink",
+    "GoodputAccountant",
     "MemoryStore",
     "MetricsSink",
     "NodeSpec",

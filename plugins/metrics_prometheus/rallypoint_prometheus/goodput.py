@@ -1,23 +1,20 @@
-"""Goodput metrics: this node's goodput account (``rallypoint.sdk.goodput_account``, the one
-``rallypoint report`` prints), computed on every scrape from the events the sink received.
+"""Goodput metrics: this node's goodput account, the one ``rallypoint report`` prints, kept
+event by event by a ``rallypoint.sdk.GoodputAccountant``; a scrape reads its sums.
 
-The account is recomputed over the whole run, and a new step can give time it called
-training to another phase (a restart, a load, steps redone): each counter goes up to the
-account's value when it grows and stays put otherwise, so that no counter ever goes down.
-
-The sink keeps only the events the account reads, and of the many progress and
-checkpoint events of a long attempt only those that decide a phase: see ``Records``.
+A new event can tell what time already counted was (the first step after a restart ends
+the restart, a load says how long it took), and give time the account called training to
+another phase: each counter goes up to the account's value when that grows and stays put
+otherwise, so that no counter ever goes down.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from typing import Any, TypeGuard
+from typing import TypeGuard
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
@@ -34,106 +31,6 @@ DETECT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 30, 60, 120, 30
 #: checkpoint, up to an hour when nodes must be replaced.
 RECOVERY_BUCKETS = (0.5, 1, 2.5, 5, 10, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600)
 
-#: The events ``goodput_account`` reads; the sink keeps no others.
-_ACCOUNTED = frozenset(
-    {
-        sdk.AGENT_STARTED,
-        sdk.RENDEZVOUS_STARTED,
-        sdk.RENDEZVOUS_COMPLETED,
-        sdk.WORKERS_STARTED,
-        sdk.PROGRESS,
-        sdk.CHECKPOINT_SAVED,
-        sdk.CHECKPOINT_LOADED,
-        sdk.WORKER_FAILED,
-        sdk.WORKERS_RESTARTED,
-        sdk.AGENT_STOPPING,
-        sdk.STRAGGLER,
-    }
-)
-_MARKS = (sdk.PROGRESS, sdk.CHECKPOINT_SAVED)
-
-
-class Records:
-    """This node's events for the account, as event-log records, few however long it runs.
-
-    A progress or checkpoint event marks a step. The account needs each mark up to the
-    step the job had reached before the attempt (where redone training ends) and the first
-    past it; then only the newest, and the time the saves held training up. So past that
-    step, one record per kind stands for the rest of the attempt (see ``_Group``).
-    """
-
-    def __init__(self) -> None:
-        self.records: list[dict[str, Any]] = []
-        self._reached: float | None = None  # the highest step marked so far
-        self._before: float | None = None  # ... before the current attempt
-        self._groups: dict[str, _Group] = {}  # by kind of mark
-
-    def add(self, record: dict[str, Any]) -> None:
-        name, step = record["event"], record.get("step")
-        if name in _MARKS and _number(step):
-            self._mark(name, step, record)
-            return
-        self._groups.clear()  # a group never spans another event
-        if name == sdk.WORKERS_STARTED:
-            self._before = self._reached
-        self.records.append(record)
-
-    def _mark(self, name: str, step: float, record: dict[str, Any]) -> None:
-        self._reached = step if self._reached is None else max(self._reached, step)
-        if self._before is not None and step <= self._before:
-            self.records.append(record)  # redone training: each mark counts
-        elif name not in self._groups:
-            self._groups[name] = _Group(record)  # the first mark past it stays as it is
-            self.records.append(record)
-        elif self._groups[name].absorb(record):
-            self.records.append(record)
-
-
-class _Group:
-    """The marks of one kind after a first one, as a single record: the newest mark, with
-    the union of their stalls (``blocked_seconds`` from ``wall_time - seconds``) placed to
-    end where the latest of them ends. Those stalls lie in training, where only their sum
-    counts; a stall that began before the first mark may lie in redone training, and stays
-    in a record of its own."""
-
-    def __init__(self, first: Mapping[str, Any]) -> None:
-        stall = sdk.goodput_stall(first)
-        self.since = float(first["wall_time"])
-        self.end = stall[1] if stall is not None else -math.inf  # of the stalls so far
-        self.length = 0.0  # of the union of the stalls folded in
-        self.record: dict[str, Any] | None = None
-
-    def absorb(self, record: dict[str, Any]) -> bool:
-        """Fold ``record`` in; return whether it is to be kept (the group's record, or a
-        record of its own)."""
-        stall = sdk.goodput_stall(record)
-        if stall is not None:
-            if stall[0] < self.since:
-                self.end = max(self.end, stall[1])
-                return True
-            self.length += max(0.0, stall[1] - max(stall[0], self.end))  # overlaps once
-            self.end = max(self.end, stall[1])
-        new = self.record is None
-        if self.record is None:
-            self.record = record
-        else:
-            self.record.clear()
-            self.record.update(record)
-        if self.length > 0:
-            self.record["seconds"] = float(record["wall_time"]) - (self.end - self.length)
-            self.record["blocked_seconds"] = self.length
-        else:
-            self.record.pop("blocked_seconds", None)
-        return new
-
-
-def _number(value: object) -> TypeGuard[float]:
-    return (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(float(value))
-    )
-
 
 class GoodputMetrics:
     """A collector of this node's goodput, time per phase, failures, recoveries and
@@ -143,7 +40,7 @@ class GoodputMetrics:
     def __init__(self, labels: Mapping[str, str], labelnames: tuple[str, ...]) -> None:
         self.labels = dict(labels)
         self._lock = threading.Lock()
-        self._records = Records()
+        self._accountant = sdk.GoodputAccountant(timelines=False)  # it serves sums alone
         self._served: dict[tuple[str, str], float] = {}  # counter totals served so far
         self._observed: set[tuple[str, int]] = set()  # (histogram, round) observed once
         self._failed = False
@@ -191,16 +88,14 @@ class GoodputMetrics:
         )
         # Series that exist from the start, so that rate() and increase() see their first
         # change (a recovery observed before the first scrape would be missed otherwise).
-        for phase in sdk.goodput_account(()).phases:  # an empty account names every phase
+        for phase in self._accountant.snapshot().phases:  # every phase is named
             self.phase_seconds.labels(**labels, phase=phase)
         for metric in (self.detect, self.recovery, self.steps_redone, self.stragglers):
             metric.labels(**labels)
 
     def emit(self, event: Event) -> None:
-        if event.name not in _ACCOUNTED:
-            return
         with self._lock:
-            self._records.add(json.loads(event.to_json()))  # as the event log holds it
+            self._accountant.add(event)
         # The agent names a straggler once per round: the gauge is the current round's.
         ratio = event.data.get("ratio")
         if event.name == sdk.STRAGGLER and _number(ratio):
@@ -219,17 +114,17 @@ class GoodputMetrics:
         yield from self.registry.collect()
 
     def _update(self, now: float) -> None:
-        account = sdk.goodput_account(self._records.records, now=now)
+        snapshot = self._accountant.snapshot(now)
         labels = self.labels
-        if account.goodput is not None:
-            self.ratio.labels(**labels).set(account.goodput)
-        for phase, seconds in account.phases.items():
+        if snapshot.goodput is not None:
+            self.ratio.labels(**labels).set(snapshot.goodput)
+        for phase, seconds in snapshot.phases.items():
             self._raise(self.phase_seconds.labels(**labels, phase=phase), ("phase", phase), seconds)
-        for cause, count in account.causes().items():
+        for cause, count in snapshot.causes().items():
             self._raise(self.failures.labels(**labels, cause=cause), ("cause", cause), count)
-        self._raise(self.steps_redone.labels(**labels), ("steps", ""), account.steps_redone)
-        self._raise(self.stragglers.labels(**labels), ("stragglers", ""), len(account.stragglers))
-        for incident in account.incidents:
+        self._raise(self.steps_redone.labels(**labels), ("steps", ""), snapshot.steps_redone)
+        self._raise(self.stragglers.labels(**labels), ("stragglers", ""), snapshot.stragglers)
+        for incident in snapshot.incidents:
             for name, metric, value in (
                 ("detect", self.detect, incident.detect_seconds),
                 ("recovery", self.recovery, incident.recover_seconds),
@@ -244,3 +139,11 @@ class GoodputMetrics:
         if total > served:
             counter.inc(total - served)
             self._served[key] = total
+
+
+def _number(value: object) -> TypeGuard[float]:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(float(value))
+    )

@@ -16,6 +16,7 @@ from rallypoint.goodput import (
     MEMBERSHIP,
     NO_STEPS,
     PHASES,
+    TABLE,
     TRAINING,
     Account,
     Incident,
@@ -26,30 +27,9 @@ from rallypoint.goodput import (
     straggler_line,
 )
 
-#: Each phase's colour on the timeline and in the tables.
-COLOURS = {
-    "startup": "#9aa5b1",
-    "rendezvous": "#845ef7",
-    "training": "#2f9e44",
-    "checkpoint": "#1c7ed6",
-    "detection": "#e8590c",
-    "restart": "#fab005",
-    "loading": "#15aabf",
-    "redone": "#e64980",
-    "stopping": "#ced4da",
-}
-#: What each phase is, in a few words (docs/report.md says more).
-MEANINGS = {
-    "startup": "the agent and its first workers starting, up to their first step",
-    "rendezvous": "waiting for nodes and forming a round",
-    "training": "steps that stayed done: the productive time",
-    "checkpoint": "training held up by a checkpoint save",
-    "detection": "from a worker's failure to its agent noticing it",
-    "restart": "stopping the workers and starting new ones, up to their first step",
-    "loading": "the new workers loading the checkpoint they resume from",
-    "redone": "steps done again after a restart (lost work)",
-    "stopping": "the workers done, the agent leaving",
-}
+#: Each phase's colour on the timeline and in the tables, and what it is in a few words.
+COLOURS = {phase.name: phase.colour for phase in TABLE}
+MEANINGS = {phase.name: phase.meaning for phase in TABLE}
 FAILURE = "#c92a2a"
 #: The slowest recoveries listed; the rest are counted.
 WORST = 20
