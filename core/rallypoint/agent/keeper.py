@@ -213,6 +213,10 @@ class Keeper:
     def death(self) -> str:
         """What happened to the keeper, in a sentence."""
         code = self.process.poll()
+        if code is None:
+            # Its end of the socket closes as it dies, a moment before it can be reaped.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = self.process.wait(timeout=1)
         how = "is gone" if code is None else f"died ({_describe(code)})"
         return (
             f"rallypoint's keeper process (pid {self.process.pid}), which holds the workers, "
