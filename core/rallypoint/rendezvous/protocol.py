@@ -114,7 +114,6 @@ class StoreRendezvous(RendezvousHandler):
         self.hosting: bool | None = getattr(store, "hosting", None)
         self.signed = SignedStore(store, Seal(token)) if token else None
         self.store = RetryingStore(self.signed or store, settings.retry_timeout)
-        self._claimed = False
         self.settings = settings
         self.state = NodeState(
             node, nproc_per_node, settings, Keys(settings.prefix, run_id), time.monotonic
@@ -148,9 +147,8 @@ class StoreRendezvous(RendezvousHandler):
     # --- RendezvousHandler ----------------------------------------------------------------
 
     def next_round(self) -> Assignment:
-        if not self._claimed:
+        if not self.joining.started:
             self._claim_token()
-            self._claimed = True
         try:
             return self._drive(self.joining.next_round(self._start_heartbeats))
         finally:
@@ -159,9 +157,9 @@ class StoreRendezvous(RendezvousHandler):
     def _claim_token(self) -> None:
         """Every node of a job holds the same token, or none: one that differs stops now,
         in a sentence, before it writes anything (``signing``)."""
-        key = self.keys.token_key
-        if self.signed is not None:
-            self.store.retry(lambda: self.signed.claim(key))  # type: ignore[union-attr]
+        key, signed = self.keys.token_key, self.signed
+        if signed is not None:
+            self.store.retry(lambda: signed.claim(key))
         elif (raw := self.store.get(key)) is not None and sealed(raw):
             raise RendezvousFailed(
                 "the job's nodes seal their rendezvous records with a job token, and this "

@@ -82,16 +82,15 @@ def sealed(raw: bytes) -> bool:
 
 
 class Ignored:
-    """What a node's connections ignored: logged once, counted for ``explain``."""
+    """What a node's connections ignored, logged once for all of them."""
 
     def __init__(self) -> None:
-        self.count = 0
+        self._said = False
         self._lock = threading.Lock()
 
     def note(self, key: str) -> None:
         with self._lock:
-            self.count += 1
-            first = self.count == 1
+            first, self._said = not self._said, True
         if first:
             logger.warning(
                 "ignored the rendezvous record at %r: it is not sealed with this job's token "
