@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from launch import InstallPlugin
+from rallypoint.config import LaunchConfig
 from rallypoint.plugins import PluginManager, build_plugin_manager, get_plugin_manager
 from servers import (  # noqa: F401 - pytest finds fixtures by name
     etcd_server,
@@ -73,3 +74,22 @@ def agent_tmpdir(rallypoint_agent_tmpdir: Path) -> Path:
     """Run directories of failed or killed agents land in this test's temporary directory
     (the testing kit's fixture, under the name the core's tests use)."""
     return rallypoint_agent_tmpdir
+
+
+@pytest.fixture
+def handed_configs(monkeypatch: pytest.MonkeyPatch) -> list[LaunchConfig]:
+    """The configurations ``rallypoint run`` hands its agent during the test, in order; the
+    agent itself is replaced and runs nothing (its job "succeeds" at once)."""
+    import rallypoint.agent.elastic
+
+    seen: list[LaunchConfig] = []
+
+    class Recorder:
+        def __init__(self, config: LaunchConfig, pm: object) -> None:
+            seen.append(config)
+
+        def run_job(self) -> int:
+            return 0
+
+    monkeypatch.setattr(rallypoint.agent.elastic, "Agent", Recorder)
+    return seen

@@ -442,28 +442,19 @@ def test_pytorchjob_sets_the_variables_rallypoint_reads() -> None:
     }
 
 
-def test_pytorchjob_configuration(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_pytorchjob_configuration(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, handed_configs: list[LaunchConfig]
+) -> None:
     """``rallypoint run`` with exactly the manifest's PET_* variables and container args:
     the configuration it hands the agent (the agent itself is not started: the etcd host
     of the manifest exists only in the cluster)."""
     from typer.testing import CliRunner
 
-    import rallypoint.agent.elastic
     from rallypoint_cli.main import build_app
 
     for name in list(os.environ):
         if name.startswith(("PET_", "RALLYPOINT_")):
             monkeypatch.delenv(name)
-    seen: list[LaunchConfig] = []
-
-    class Recorder:
-        def __init__(self, config: LaunchConfig, pm: object) -> None:
-            seen.append(config)
-
-        def run_job(self) -> int:
-            return 0
-
-    monkeypatch.setattr(rallypoint.agent.elastic, "Agent", Recorder)
     script = tmp_path / "opt" / "rallypoint" / "examples" / "train_digits.py"
     script.parent.mkdir(parents=True)
     script.write_text("")
@@ -474,7 +465,7 @@ def test_pytorchjob_configuration(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     env = pytorchjob_elastic_env(_pytorchjob())
     result = CliRunner().invoke(build_app(build_plugin_manager()), args, env=env)
     assert result.exit_code == 0, result.output
-    (config,) = seen
+    (config,) = handed_configs
     assert (config.min_nodes, config.max_nodes) == (2, 4)
     assert (config.rdzv_backend, config.rdzv_endpoint) == ("etcd", "rallypoint-etcd:2379")
     assert config.rdzv_id == "rallypoint-digits-1"

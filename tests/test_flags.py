@@ -35,31 +35,24 @@ def script(tmp_path: Path) -> str:
 
 
 def run(
-    args: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+    args: list[str],
+    env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    handed: list[LaunchConfig],
 ) -> tuple[int, str, LaunchConfig | None]:
     """``rallypoint run ARGS`` in this process with only ``env``'s launcher variables: the
-    exit code, stderr and the configuration the agent was handed (None: not started)."""
-    import rallypoint.agent.elastic
-
-    seen: list[LaunchConfig] = []
-
-    class Recorder:
-        def __init__(self, config: LaunchConfig, pm: object) -> None:
-            seen.append(config)
-
-        def run_job(self) -> int:
-            return 0
-
+    exit code, stderr and the configuration the agent was handed (None: not started);
+    ``handed``: the ``handed_configs`` fixture."""
     for name in list(os.environ):
         if name.startswith(("RALLYPOINT_", "PET_", "TORCH_ELASTIC_", "CUDA_VISIBLE_DEVICES")):
             monkeypatch.delenv(name)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(rallypoint.agent.elastic, "Agent", Recorder)
+    before = len(handed)
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         code = main(["run", *args])
-    return code, err.getvalue(), seen[0] if seen else None
+    return code, err.getvalue(), handed[before] if len(handed) > before else None
 
 
 def test_the_options_of_run_are_the_table() -> None:
@@ -76,10 +69,10 @@ def test_the_options_of_run_are_the_table() -> None:
 
 
 def test_a_flag_left_out_means_the_same_to_the_cli_and_to_python(
-    script: str, monkeypatch: pytest.MonkeyPatch
+    script: str, monkeypatch: pytest.MonkeyPatch, handed_configs: list[LaunchConfig]
 ) -> None:
     """One default per flag: what the command passes for a flag not given is the table's."""
-    code, stderr, given = run([script], {}, monkeypatch)
+    code, stderr, given = run([script], {}, monkeypatch, handed_configs)
     assert code == 0, stderr
     assert given is not None
     python = LaunchConfig.from_flags(get_plugin_manager().registry, training_script=script)
@@ -99,9 +92,11 @@ def test_the_parser_reads_only_the_environment_it_is_handed(
 
 
 def test_a_bad_torch_shutdown_timeout_is_one_line(
-    script: str, monkeypatch: pytest.MonkeyPatch
+    script: str, monkeypatch: pytest.MonkeyPatch, handed_configs: list[LaunchConfig]
 ) -> None:
-    code, stderr, given = run([script], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "soon"}, monkeypatch)
+    code, stderr, given = run(
+        [script], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "soon"}, monkeypatch, handed_configs
+    )
     assert (code, given) == (2, None)
     assert stderr == (
         "rallypoint: error: TORCH_ELASTIC_SHUTDOWN_TIMEOUT 'soon': expected a number.\n"
@@ -139,14 +134,14 @@ def test_numbers_are_checked_as_a_plugin_s_options_are(name: str, text: str) -> 
 
 @pytest.mark.parametrize("word", [*ON, *OFF, "ON", " Yes ", "False"])
 def test_on_and_off_are_spelt_one_way(
-    word: str, script: str, monkeypatch: pytest.MonkeyPatch
+    word: str, script: str, monkeypatch: pytest.MonkeyPatch, handed_configs: list[LaunchConfig]
 ) -> None:
     expected = word.strip().lower() in ON
     assert ConfigOption("tls", bool).parse(word) is expected
     flags = parse_flags({"training_script": script, "warm_start": word, "standalone": word}, {})
     assert flags["warm_start"] is flags["standalone"] is expected
     env = {"RALLYPOINT_VIRTUAL_LOCAL_RANK": word, "PET_WARM_START": word}
-    code, stderr, given = run([script], env, monkeypatch)
+    code, stderr, given = run([script], env, monkeypatch, handed_configs)
     assert code == 0, stderr
     assert given is not None
     assert given.virtual_local_rank is given.warm_start is expected
@@ -154,12 +149,12 @@ def test_on_and_off_are_spelt_one_way(
 
 @pytest.mark.parametrize("word", ["y", "n", "t", "f", "2", "maybe"])
 def test_other_words_are_neither_on_nor_off(
-    word: str, script: str, monkeypatch: pytest.MonkeyPatch
+    word: str, script: str, monkeypatch: pytest.MonkeyPatch, handed_configs: list[LaunchConfig]
 ) -> None:
     with pytest.raises(ValueError, match="expected true or false"):
         ConfigOption("tls", bool).parse(word)
     for flag, variable in (("--standalone", "PET_STANDALONE"), ("--warm-start", "PET_WARM_START")):
-        code, stderr, given = run([script], {variable: word}, monkeypatch)
+        code, stderr, given = run([script], {variable: word}, monkeypatch, handed_configs)
         assert (code, given) == (2, None)
         assert stderr == f"rallypoint: error: {flag} {word!r}: choose on or off.\n"
 
