@@ -27,9 +27,10 @@ def read_status(
     store with leases or expiring keys (etcd, Redis) answers at once.
     """
     keys = current_generation(store, keys)
-    if not has_records(store, keys):
+    raw_state = store.get(keys.state())
+    if raw_state is None and not has_records(store, keys):
         return {"run_id": run_id, "round": None, "members": [], "waiting": 0, "condition": None}
-    round_ = records.decode_state(keys.state(), store.get(keys.state()))
+    round_ = records.decode_state(keys.state(), raw_state)
     closed_key = keys.of_round(round_, "closed")
     raw_closed = store.get(closed_key)
     if raw_closed is None and round_ > 0:
