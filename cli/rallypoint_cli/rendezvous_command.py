@@ -34,9 +34,12 @@ def _open(
     request = RendezvousRequest(rdzv_id, rdzv_endpoint, backend.options, viewer=True)
     settings = Settings.from_conf(1, 1, backend.options)
     store = connect(backend.item, request)
+    keys = Keys(settings.prefix, rdzv_id)
     if token is not None:
-        store = SignedStore(store, Seal(token))
-    return store, Keys(settings.prefix, rdzv_id), settings
+        signed = SignedStore(store, Seal(token))
+        signed.view(keys.token_key)  # the attempt's seal, if the run has a claim of this token
+        store = signed
+    return store, keys, settings
 
 
 BACKEND = typer.Option("c10d", "--rdzv-backend", "--rdzv_backend")

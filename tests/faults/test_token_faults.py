@@ -90,9 +90,9 @@ def test_a_stray_takes_no_part_and_another_token_is_kept_out(
         agents.append(agent)
         return agent
 
+    start("a")  # first: on c10d its agent hosts the store the stray then reaches
     store, keys = stray_client(backend, run_id)
     try:
-        start("a")
         start("b")
         wait_for_world(logs["a"], 2)
         _, members = attack(store, keys, run_id)
@@ -119,3 +119,52 @@ def test_a_stray_takes_no_part_and_another_token_is_kept_out(
     assert "is gone" not in text, text  # neither the marks nor the counters' drop believed
     assert "not sealed with this job's token" in text  # what was ignored is in the log
     assert len(members) == 2, members
+
+
+def round_members(store: CoordinationStore, keys: Keys) -> tuple[int, list[str]]:
+    """The job's round and its members, read from its sealed record as anyone can."""
+    state = store.get(keys.state())
+    round_ = 0 if state is None else records.decode_int(keys.state(), _value(state))
+    closed = keys.of_round(round_, "closed")
+    raw = store.get(closed)
+    assert raw is not None, "the job's round record"
+    return round_, list(records.decode_round(closed, _value(raw)).node_ids)
+
+
+@on_backends("etcd")
+def test_a_stray_that_ends_the_members_liveness_ends_no_round(
+    backend: Backend, tmp_path: Path
+) -> None:
+    """For three heartbeat timeouts a stray ends every member's liveness in the store, over
+    and over (it renews each member's lease, key or counter as its own, then closes: etcd
+    revokes the lease, Redis deletes the key, TCPStore's counter drops below zero). The
+    members' sealed marks keep rising: nobody is taken for gone, the round trains on.
+    Before marks, the first look at a revoked lease ended the round."""
+    run_id = f"liveness-{uuid.uuid4().hex[:8]}"
+    script = (worker("notice_steps.py"), "0.1", "1000000", f"live-{uuid.uuid4().hex}")
+    logs = {name: tmp_path / f"{name}.log" for name in "ab"}
+    checkpoints = ("--checkpoint-dir", str(tmp_path / "ckpt"))
+    agents = [
+        backend.start_agent(run_id, "2:3", *checkpoints, *script, log=logs[name], nproc=1)
+        for name in "ab"
+    ]
+    store, keys = stray_client(backend, run_id)
+    try:
+        wait_for_world(logs["a"], 2)
+        round_, members = round_members(store, keys)
+        ends = time.monotonic() + 9  # three heartbeat_timeouts of fault_setups.CONF
+        while time.monotonic() < ends:
+            for member in members:
+                touch = store.clone()
+                touch.keep_alive(keys.heartbeat(member), 3.0)
+                touch.close()
+            time.sleep(0.3)
+        steps = world_steps(logs["a"], 2)
+        wait_for_world(logs["a"], 2, steps=steps + 5)
+        assert round_members(store, keys)[0] == round_, "a round ended"
+        assert all(agent.poll() is None for agent in agents)
+    finally:
+        kill(*agents)
+        store.close()
+    text = "".join(log.read_text() for log in logs.values())
+    assert "is gone" not in text, text

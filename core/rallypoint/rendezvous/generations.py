@@ -1,11 +1,18 @@
-"""A run id used again: the generations of a run.
+"""A run id used again: the generations of a run; and where a run stands (its round).
 
 A scheduler that restarts a job (a Kubernetes Job, a Slurm requeue, a user running the
 command again) starts new agents under the same run id. If no agent of the run's current
 generation is alive (no live lease, key or heartbeat), its records are of a run that
 failed or was killed: counting them would make the new agents wait for dead nodes. The
-run id then starts afresh in the next generation (one compare-and-set, so that every new
-agent lands in the same one), and the dead generation's keys are deleted.
+run id then starts afresh in the next generation (one compare-and-set on the generation's
+``born`` marker, so that every new agent lands in the same one), and the dead generation's
+keys are deleted.
+
+The run's generation and the job's round are each a hint (``~generation``, ``state``)
+followed by write-once markers (``~born/<g>``, ``<round>/open``): a stray that writes an
+older hint back (a sealed value it read earlier: the seal binds key and value, not time)
+cannot take a node back to a dead generation or round, since the markers after the hint
+are read in the same look (``ahead``).
 """
 
 from __future__ import annotations
@@ -19,39 +26,72 @@ from rallypoint.interfaces import CoordinationStore, StoreError
 from rallypoint.rendezvous import calls, records
 from rallypoint.rendezvous.calls import Steps
 from rallypoint.rendezvous.keys import Keys
+from rallypoint.rendezvous.signing import SignedStore, sealed
 
 logger = logging.getLogger("rallypoint.rendezvous")
 
-#: How many of a dead run's join records a new node reads to be sure none of them lives.
-MOST_CHECKED = 100_000
+#: How many of a dead run's join records a node reads, at most, to be sure none of them
+#: lives, where the job's size does not say (``rallypoint rendezvous status``).
+MOST_CHECKED = 10_000
 #: How many rounds back a new node looks for the run's newest closed round.
 CLOSED_LOOKBACK = 16
+#: How many markers one read looks at past a hint.
+AHEAD = 8
 
 #: Whether a heartbeat key is kept (``CoordinationStore.alive`` with the run's ttl, or a
 #: node's view of it that allows for its own stalls).
 Alive = Callable[[str], Steps[bool]]
 
 
+def ahead(marker: Callable[[int], str], hint: int) -> Steps[int]:
+    """The last ``n >= hint`` such that the markers of ``hint + 1 .. n`` all exist: where a
+    run really is when its hint says ``hint`` (markers are written once, each after the
+    hint it follows; a gap ends them)."""
+    n = hint
+    while True:
+        found = yield from calls.get_many([marker(n + i) for i in range(1, AHEAD + 1)])
+        for value in found:
+            if value is None:
+                return n
+            n += 1
+
+
 def current(keys: Keys) -> Steps[Keys]:
     """The run's keys in its current generation."""
     raw = yield from calls.get(keys.generation_key)
-    return keys.at(records.decode_int(keys.generation_key, raw) if raw else 0)
+    hint = records.decode_int(keys.generation_key, raw) if raw else 0
+    return keys.at((yield from ahead(keys.born, hint)))
 
 
-def settle(keys: Keys, alive: Alive, nnodes: str = "") -> Steps[Keys]:
+def settle(
+    keys: Keys,
+    alive: Alive,
+    nnodes: str = "",
+    node_id: str = "",
+    *,
+    confirm: float = 0.0,
+    most: int = MOST_CHECKED,
+) -> Steps[Keys]:
     """The keys a node joining the run for the first time uses: the current generation's,
     or the next one's if no agent of the current one is alive (this node then starts it).
 
     A run with a live agent is joined as before, unless its agents were started with
     another ``--nnodes`` (``nnodes``, "MIN:MAX"): that is a job started by mistake under a
     live run's id, refused in one sentence.
+
+    ``confirm``: seconds to look again before taking a run for abandoned (a sealed run: a
+    stray that revoked its agents' leases, or deleted their keys, fools a first look, and
+    starting afresh would delete the live run's keys); ``most``: the most join records
+    read (``inspect``).
     """
     while True:
-        raw = yield from calls.get(keys.generation_key)
-        now = keys.at(records.decode_int(keys.generation_key, raw) if raw else 0)
-        gone, theirs = yield from inspect(now, alive)
+        now = yield from current(keys)
+        gone, theirs = yield from inspect(now, alive, most)
+        if gone is not None and confirm > 0:
+            yield from calls.pause(confirm)  # a live agent renews its mark meanwhile
+            gone, theirs = yield from inspect(now, alive, most)
         if gone is None:
-            if (yield from calls.get(keys.generation_key)) != raw:
+            if (yield from current(keys)).generation != now.generation:
                 continue  # another node started the next generation while this one read it
             if nnodes and theirs and theirs != nnodes:
                 raise UsageError(
@@ -60,8 +100,10 @@ def settle(keys: Keys, alive: Alive, nnodes: str = "") -> Steps[Keys]:
                     "--rdzv-id, or stop that one first."
                 )
             return now
-        following = records.encode_int(now.generation + 1)
-        if (yield from calls.compare_set(keys.generation_key, raw, following)) == following:
+        following = now.generation + 1
+        mine = (node_id or "?").encode()
+        if (yield from calls.compare_set(keys.born(following), None, mine)) == mine:
+            yield from calls.set_(keys.generation_key, records.encode_int(following))
             logger.info(
                 "run %s: no agent of its last attempt is alive (%s): starting it afresh",
                 keys.run_id,
@@ -71,10 +113,11 @@ def settle(keys: Keys, alive: Alive, nnodes: str = "") -> Steps[Keys]:
 
 
 def job_round(keys: Keys) -> Steps[int]:
-    """The job's round (one read): 0 while the state key is absent. A new job writes
-    nothing there until its first round ends: when a thousand nodes start at once, none
-    of them has to create the key (a write, which on etcd goes through Raft)."""
-    return records.decode_state(keys.state(), (yield from calls.get(keys.state())))
+    """The job's round: the state key's (0 while it is absent: a new job writes nothing
+    there until its first round ends, so that when a thousand nodes start at once none of
+    them has to create it), or later where the rounds after it have opened (``ahead``)."""
+    state = records.decode_state(keys.state(), (yield from calls.get(keys.state())))
+    return (yield from ahead(lambda r: keys.of_round(r, "open"), state))
 
 
 def newest_closed(keys: Keys, round_: int) -> Steps[records.RoundRecord | None]:
@@ -91,12 +134,13 @@ def newest_closed(keys: Keys, round_: int) -> Steps[records.RoundRecord | None]:
     return None
 
 
-def inspect(keys: Keys, alive: Alive) -> Steps[tuple[str | None, str]]:
+def inspect(keys: Keys, alive: Alive, most: int = MOST_CHECKED) -> Steps[tuple[str | None, str]]:
     """Whether the run at ``keys`` was abandoned: how it was left when none of its agents
     (the members of its newest closed round, the joiners of the round it is in) is alive,
     else None (no records, or an agent of it lives, or may: a join number still without
     its record is a node writing it); and its ``--nnodes`` where a record says. A live run
-    answers in a few reads: its first joiner is usually alive."""
+    answers in a few reads: its first joiner is usually alive. ``most``: the most join
+    numbers read (a counter anyone can add to sizes no read)."""
     round_ = yield from job_round(keys)
     first = keys.of_round(round_, "node", 1)
     leader = node_or_none(first, (yield from calls.get(first)))
@@ -109,7 +153,7 @@ def inspect(keys: Keys, alive: Alive) -> Steps[tuple[str | None, str]]:
     record = yield from newest_closed(keys, round_)  # the newest closed round's members
     if record is not None:
         candidates += record.node_ids
-    joined = min((yield from calls.add(keys.of_round(round_, "joined"), 0)), MOST_CHECKED)
+    joined = min((yield from calls.add(keys.of_round(round_, "joined"), 0)), most)
     numbers = [keys.of_round(round_, "node", i) for i in range(1, joined + 1)]
     for key, raw in zip(numbers, (yield from calls.get_many(numbers)), strict=True):
         if raw is None:
@@ -144,14 +188,35 @@ def current_generation(store: CoordinationStore, keys: Keys) -> Keys:
 
 def has_records(store: CoordinationStore, keys: Keys) -> bool:
     """Whether ``store`` holds records of the run at ``keys`` (its current generation's):
-    its state, its token key (a sealed run: its first node wrote it), or a join of round 0
-    (a new job writes nothing else before its first round ends; a counter, read as it is
-    only by a run without a token)."""
+    a sealed store read with the job's token, once it found the run's token claim
+    (``SignedStore.view``); else its state, its token key (a sealed run, read without the
+    token: reading it will say so), or a join of round 0 (a new job writes nothing else
+    before its first round ends)."""
+    if isinstance(store, SignedStore):
+        return store.attempt is not None
     return (
         store.get(keys.state()) is not None
         or store.get(keys.token_key) is not None
         or store.get(keys.of_round(0, "joined")) is not None
     )
+
+
+def job_behind(store: CoordinationStore, keys: Keys, sealed_only: bool = False) -> bool:
+    """Whether ``store``, read as it is (no seal checked), holds records of a job under the
+    run's keys besides its token claim: a generation, the round counter, round 0's joins
+    or record. ``sealed_only``: only records that look sealed count (for a node without a
+    token, whose own job's records are not)."""
+    names = [
+        keys.generation_key,
+        keys.born(1),
+        keys.state(),
+        keys.of_round(0, "node", 1),
+        keys.of_round(0, "closed"),
+    ]
+    found = [raw for raw in store.get_many(names) if raw]
+    if sealed_only:
+        return any(sealed(raw) for raw in found)
+    return bool(found) or store.get(keys.of_round(0, "joined")) is not None
 
 
 def inspect_run(store: CoordinationStore, keys: Keys, ttl: float) -> tuple[str | None, str]:

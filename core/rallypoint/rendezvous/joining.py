@@ -31,6 +31,8 @@ logger = logging.getLogger("rallypoint.rendezvous")
 #: afresh without it (``newer_generation``): a newcomer that read its lapsed liveness may
 #: move the generation a little after the stall ended.
 STALL_WATCH = 3
+#: How many times ``advance`` replaces a state lower than the round it ends.
+_STALE_TRIES = 4
 
 
 class LeaderLost(Exception):
@@ -55,15 +57,22 @@ def advance(keys: Keys, from_round: int, expected: int) -> Steps[None]:
 
     ``expected`` is how many nodes the next round should wait for before closing; it is
     written before the round changes, so the next leader always finds it.
+
+    The state this node knows the job reached is ``from_round`` at least: a lower one in
+    the store was written back there (a stray's copy of an older sealed state) and is
+    replaced, so that a replayed state can neither keep a round from ending nor end one
+    twice.
     """
     yield from calls.compare_set(keys.of_round(from_round + 1, "expected"), None, _int(expected))
     following = _int(from_round + 1)
-    if from_round > 0:
-        now = yield from calls.compare_set(keys.state(), _int(from_round), following)
-    else:
-        now = yield from calls.compare_set(keys.state(), None, following)
-        if now == _int(0):
-            now = yield from calls.compare_set(keys.state(), _int(0), following)  # written out
+    want = _int(from_round) if from_round > 0 else None
+    now = b""
+    for _ in range(_STALE_TRIES):
+        now = yield from calls.compare_set(keys.state(), want, following)
+        state = records.decode_state(keys.state(), now or None)
+        if not now or state > from_round or now == want:
+            break
+        want = now  # 0 written out (a round that ended before its first), or a stale state
     # Only an opened round may close: a node that came to a full job waits for this; and
     # only a round the job has reached opens (no node waiting for room starts a job of
     # its own beside the running one).
@@ -129,7 +138,13 @@ class Joining:
         try:
             if not self.started:
                 keys = yield from generations.settle(
-                    self.keys, node.alive_key, self.settings.nnodes
+                    self.keys,
+                    node.alive_key,
+                    self.settings.nnodes,
+                    node.node_id,
+                    # Half a ttl: every live agent renews its mark within a third of one.
+                    confirm=self.settings.heartbeat_timeout / 2 if node.sealed else 0.0,
+                    most=self.settings.most_joins,
                 )
                 node.publish(keys=keys)
                 start_heartbeat()
@@ -374,7 +389,7 @@ class Joining:
             # A new job: last call for more nodes, closing at once when MAX are in.
             self.node.publish(last_call=(round_, self.node.clock() + s.last_call_timeout))
             yield from calls.wait([keys.of_round(round_, "node", s.max_nodes)], s.last_call_timeout)
-            count = yield from calls.add(keys.of_round(round_, "joined"), 0)
+            count = yield from self._count(round_)
             nodes, read = yield from self._gather(round_, nodes, read, count)
         else:
             nodes = yield from self._wait_for_survivors(round_, previous, nodes, read)
@@ -421,7 +436,7 @@ class Joining:
             recorded = yield from calls.wait(
                 [keys.of_round(round_, "node", target)], min(left, slice_)
             )
-            count = yield from calls.add(keys.of_round(round_, "joined"), 0)
+            count = yield from self._count(round_)
             if recorded or count >= target or short:
                 # From number 1 again: a number found without a record may have one now
                 # (its node was slow to write it, frozen say). Only numbers taken: a
@@ -439,18 +454,26 @@ class Joining:
             if (yield from self.ended(round_)):
                 raise LeaderLost()
 
+    def _count(self, round_: int) -> Steps[int]:
+        """How many join numbers of ``round_`` were taken, capped (``most_joins``)."""
+        count = yield from calls.add(self.keys.of_round(round_, "joined"), 0)
+        return min(count, self.settings.most_joins)
+
     def _gather(
         self, round_: int, nodes: list[records.NodeRecord], read: int, count: int
     ) -> Steps[tuple[list[records.NodeRecord], int]]:
         """``nodes`` and the usable joiners of numbers ``read + 1..count``, until MAX are
         in; and the join numbers read. Numbers are read in batches of what MAX still has
         room for: at a thousand joiners and MAX 8, the leader reads about 8 records, and
-        a voided or unrecorded number costs one more."""
+        a voided or unrecorded number costs one more. Missing records are waited for
+        close_timeout in all, not per batch: a count a stray added to is read to its cap
+        without a wait more."""
         s = self.settings
+        until = self.node.clock() + s.close_timeout
         while read < count and len(nodes) < s.max_nodes:
             upto = min(count, read + s.max_nodes - len(nodes))
             seen = {n.node_id for n in nodes}
-            fresh = yield from self._joined(round_, upto, start=read + 1)
+            fresh = yield from self._joined(round_, upto, start=read + 1, until=until)
             nodes = nodes + [n for n in fresh if n.node_id not in seen]
             read = upto
         return nodes, read
@@ -531,17 +554,22 @@ class Joining:
             offers=tuple(n.offer for n in ordered) if any(n.offer for n in ordered) else (),
         )
 
-    def _joined(self, round_: int, count: int, start: int = 1) -> Steps[list[records.NodeRecord]]:
+    def _joined(
+        self, round_: int, count: int, start: int = 1, until: float | None = None
+    ) -> Steps[list[records.NodeRecord]]:
         """The records of joiners ``start..count``, in one read once they are all written.
 
-        A join number without a record after close_timeout is left out: its node died
-        between taking the number and writing the record, or a retried ``add`` after a
-        lost reply counted one join twice. The round goes on without it.
+        A join number without a record after close_timeout (or by ``until``) is left out:
+        its node died between taking the number and writing the record, or a retried
+        ``add`` after a lost reply counted one join twice. The round goes on without it.
         """
         keys = [self.keys.of_round(round_, "node", i) for i in range(start, count + 1)]
         if not keys:
             return []
-        complete = yield from calls.wait(keys, self.settings.close_timeout)
+        limit = self.settings.close_timeout
+        if until is not None:
+            limit = max(0.0, min(limit, until - self.node.clock()))
+        complete = yield from calls.wait(keys, limit)
         values = yield from calls.get_many(keys)
         if not complete:
             logger.warning(
@@ -574,7 +602,7 @@ class Joining:
         expected = records.decode_int(keys.of_round(round_, "expected"), raw) if raw else 0
         end = node.clock() + s.last_call_timeout
         while True:
-            count = yield from calls.add(keys.of_round(round_, "joined"), 0)
+            count = yield from self._count(round_)
             nodes, read = yield from self._gather(round_, nodes, read, count)
             if len(nodes) >= s.max_nodes or node.clock() >= end:
                 return nodes
@@ -620,7 +648,7 @@ class Joining:
         if round_ is None:
             return []
         keys = self.keys
-        count = yield from calls.add(keys.of_round(round_, "joined"), 0)
+        count = yield from self._count(round_)
         names = [keys.of_round(round_, "node", i) for i in range(1, count + 1)]
         joined = {
             node.node_id
@@ -640,17 +668,32 @@ class Joining:
             yield from advance(view.keys, view.round, len(view.record.node_ids))
 
     def exit_barrier(self, timeout: float) -> Steps[None]:
+        """Wait, at most ``timeout`` s, until every member of this node's round finished.
+
+        Each member writes its own mark (``done/<group rank>``, sealed in a sealed job),
+        then counts itself; the count only says when to look: the member that finds every
+        mark written says so for all (``done/all``). A count a stray added to makes a
+        member look early, never pass early."""
         node = self.node
         view = node.publish(watch=None)  # finished nodes stop beating at different times
         round_, record, keys = view.round, view.record, view.keys
-        if round_ is None or record is None:
+        if round_ is None or record is None or node.node_id not in record.node_ids:
             return
-        done = yield from calls.add(keys.of_round(round_, "done"), 1)
-        yield from calls.set_(keys.of_round(round_, "done", done), b"1")
-        last = keys.of_round(round_, "done", len(record.node_ids))
+        size = len(record.node_ids)
+        yield from calls.set_(
+            keys.of_round(round_, "done", record.node_ids.index(node.node_id)), b"1"
+        )
+        count = yield from calls.add(keys.of_round(round_, "done"), 1)
+        marks = [keys.of_round(round_, "done", rank) for rank in range(size)]
+        passed = keys.of_round(round_, "done", "all")
         deadline = node.clock() + timeout
         slice_ = self.settings.heartbeat_timeout / 3
-        while not (yield from calls.wait([last], min(slice_, deadline - node.clock()))):
+        while True:
+            if count >= size and all(v is not None for v in (yield from calls.get_many(marks))):
+                yield from calls.set_(passed, b"1")
+                break
+            if (yield from calls.wait([passed], min(slice_, max(0.0, deadline - node.clock())))):
+                break
             if (yield from self.ended(round_)):
                 # The others went on without this node (they took it for gone while it
                 # finished): they will not pass this round's barrier; waiting is for nothing.
@@ -662,6 +705,7 @@ class Joining:
             if node.clock() >= deadline:
                 logger.warning("exit barrier: not every node finished within %.0f s", timeout)
                 return
+            count = yield from calls.add(keys.of_round(round_, "done"), 0)
         self.finished = round_
 
 

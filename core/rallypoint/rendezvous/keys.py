@@ -18,12 +18,17 @@ class Keys:
         self.generation_key = f"{base}~generation"
         #: Sealed with the job token by the run's first node (``rendezvous.signing``).
         self.token_key = f"{base}~token"
+        self._born = f"{base}~born/"
         #: Every key of the run, all generations, starts with one of these.
         self.prefixes = (f"{base}/", f"{base}~")
 
     def at(self, generation: int) -> Keys:
         """The same run's keys in ``generation``."""
         return Keys(self.prefix, self.run_id, generation)
+
+    def born(self, generation: int) -> str:
+        """Written once, by the node that started ``generation`` (``generations``)."""
+        return f"{self._born}{generation}"
 
     def state(self) -> str:
         return self.root + "state"

@@ -56,8 +56,14 @@ class NodeState:
         settings: Settings,
         keys: Keys,
         clock: Callable[[], float],
+        *,
+        sealed: bool = False,
     ) -> None:
         self.spec = spec
+        #: Whether its records are sealed with a job token (``rendezvous.signing``): then
+        #: a first look at liveness can be fooled, and is looked at again before a run is
+        #: taken for abandoned.
+        self.sealed = sealed
         self.nproc = nproc
         self.settings = settings
         self.clock = clock

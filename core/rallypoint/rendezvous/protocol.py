@@ -17,7 +17,8 @@ has a ``prefix`` option), so two jobs never meet. For round ``r``:
   it closes as soon as they are in, instead of waiting for the last call.
 * ``r/closed`` - the ``RoundRecord`` the leader (join index 1) writes: members ordered by
   group rank and the master address. One record, read once by each node.
-* ``r/done/<i>`` - the exit barrier.
+* ``r/done/<g>`` - the exit barrier: each member's mark, by group rank ``g``; ``r/done`` a
+  count, a hint of when to look at the marks, and ``r/done/all`` once all are in.
 * ``hb/<node id>`` - the node's liveness, kept by ``keep_alive`` every
   ``heartbeat_timeout / 3`` (a counter on TCPStore, a lease on etcd, a TTL on Redis); each
   member watches the next one in rank order (a ring), so liveness costs O(N) in all.
@@ -29,9 +30,12 @@ seconds; running workers are not touched meanwhile. A node that could not reach 
 for longer than ``heartbeat_timeout`` (the others may not have been able to renew their
 liveness either) takes no node for dead during the next ``heartbeat_timeout``.
 
-When every member of the last round passed the exit barrier, the last one to leave deletes
-everything under ``<prefix>/<run id>/`` (``delete_prefix``): a finished run leaves nothing
-in the store. A run that did not finish cleanly keeps its keys: a node may come back.
+When every member of the last round passed the exit barrier, the one that finds every
+member's ``r/left/<g>`` mark written deletes everything of the run (``delete_prefix``): a
+finished run leaves nothing in the store. A run that did not finish cleanly keeps its
+keys: a node may come back. Counts (``add``) are hints only: anyone who reaches the store
+can add to them, so a count read is capped (``Settings.most_joins``) and what it suggests
+is checked against sealed marks before anything is decided on it.
 
 The protocol's parts: ``keys`` (this layout), ``joining`` (from ``next_round`` to a round's
 record), ``heartbeat`` (liveness, the ring, the end of a round), ``generations`` (a run id
@@ -45,6 +49,7 @@ simulated store and clock.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -61,6 +66,7 @@ from rallypoint.interfaces import (
 )
 from rallypoint.rendezvous import calls, notices, records
 from rallypoint.rendezvous.calls import Steps
+from rallypoint.rendezvous.generations import job_behind
 from rallypoint.rendezvous.heartbeat import WAKE_SLICE, Heartbeat
 from rallypoint.rendezvous.joining import Joining
 from rallypoint.rendezvous.keys import Keys
@@ -70,12 +76,14 @@ from rallypoint.rendezvous.ports import PortReservation
 from rallypoint.rendezvous.readiness import Ready
 from rallypoint.rendezvous.retrying import RetryingStore
 from rallypoint.rendezvous.settings import Settings
-from rallypoint.rendezvous.signing import Seal, SignedStore, sealed
+from rallypoint.rendezvous.signing import CLAIM_GRACE, Seal, SignedStore, sealed
 
 logger = logging.getLogger("rallypoint.rendezvous")
 
 #: The longest a node hosting the store waits, when it leaves, for the others to leave.
 LEAVE_GRACE = 5.0
+#: Seconds between two looks at how many have left, where no mark can be waited on.
+_LOOK = 0.1
 
 
 class StoreRendezvous(RendezvousHandler):
@@ -116,7 +124,12 @@ class StoreRendezvous(RendezvousHandler):
         self.store = RetryingStore(self.signed or store, settings.retry_timeout)
         self.settings = settings
         self.state = NodeState(
-            node, nproc_per_node, settings, Keys(settings.prefix, run_id), time.monotonic
+            node,
+            nproc_per_node,
+            settings,
+            Keys(settings.prefix, run_id),
+            time.monotonic,
+            sealed=token is not None,
         )
         self.joining = Joining(
             self.state,
@@ -156,16 +169,31 @@ class StoreRendezvous(RendezvousHandler):
 
     def _claim_token(self) -> None:
         """Every node of a job holds the same token, or none: one that differs stops now,
-        in a sentence, before it writes anything (``signing``)."""
-        key, signed = self.keys.token_key, self.signed
+        in a sentence, before it writes anything (``signing``). The attempt's nonce is in
+        the claim: every seal of this node's records is bound to it."""
+        keys, signed = self.keys, self.signed
         if signed is not None:
-            self.store.retry(lambda: signed.claim(key))
-        elif (raw := self.store.get(key)) is not None and sealed(raw):
+            grace = min(CLAIM_GRACE, self.settings.heartbeat_timeout)
+            behind = functools.partial(job_behind, signed.store, keys)
+            self.store.retry(lambda: signed.claim(keys.token_key, behind, grace))
+            return
+        raw = self.store.get(keys.token_key)
+        if raw is None or not sealed(raw):
+            return
+        # A claim alone locks nobody out (anyone can write one): a job without a token
+        # stops only where the run's records are sealed too.
+        if self.store.retry(lambda: job_behind(self.store.store, keys, sealed_only=True)):
             raise RendezvousFailed(
                 "the job's nodes seal their rendezvous records with a job token, and this "
                 "node has none: give it the same --rdzv-conf token_file or "
                 "RALLYPOINT_JOB_TOKEN"
             )
+        logger.warning(
+            "ignored the job token claim at %r: no record of the run is sealed (a process "
+            "that is not of this job wrote it); if the job's other nodes have a token, give "
+            "this node the same",
+            keys.token_key[:200],
+        )
 
     def nodes_waiting(self) -> int:
         """1 when the job has moved past this node's round (a member left or a node came).
@@ -256,44 +284,51 @@ class StoreRendezvous(RendezvousHandler):
 
 
 def leave(joining: Joining, hosting: bool | None) -> Steps[None]:
-    """Say that this node leaves; the last to leave a cleanly finished run deletes its
-    keys. A node whose process hosts the store (c10d, static) takes the store with it,
-    so it first waits, at most LEAVE_GRACE seconds, for the other nodes of its last
-    round to leave: they may still have to read how the round ended (a leader's error,
-    the exit barrier)."""
+    """Say that this node leaves; a cleanly finished run's keys are deleted by the node
+    that finds every member's mark written. A node whose process hosts the store (c10d,
+    static) takes the store with it, so it first waits, at most LEAVE_GRACE seconds, for
+    the other nodes of its last round to leave: they may still have to read how the round
+    ended (a leader's error, the exit barrier)."""
     view = joining.node.view
     round_, keys, record = view.last_joined, view.keys, view.record
     if round_ is None:
         return
-    left = yield from calls.add(keys.of_round(round_, "left"), 1)
-    yield from calls.set_(keys.of_round(round_, "left", left), b"1")
+    count = yield from calls.add(keys.of_round(round_, "left"), 1)  # a hint: see below
+    members = record.node_ids if record is not None and record.round == round_ else ()
+    if members and joining.rank is not None:
+        # The mark last: once every member's is written, none of them writes here again.
+        yield from calls.set_(keys.of_round(round_, "left", joining.rank), b"1")
+    marks = [keys.of_round(round_, "left", g) for g in range(len(members))]
     if hosting is None:  # a store of its own (etcd, Redis): it keeps what is not deleted
-        if joining.finished == round_ and record and left >= len(record.node_ids):
-            # The others counted themselves out first, but may not have written their
-            # marker yet: a marker written after the delete would stay.
-            markers = [keys.of_round(round_, "left", i) for i in range(1, left)]
-            yield from calls.wait(markers, LEAVE_GRACE)
+        # The count only says when to look: a stray can add to it, not write a mark.
+        last = joining.finished == round_ and members and count >= len(members)
+        if last and (yield from calls.wait(marks, LEAVE_GRACE)):
             yield from delete_run(keys)
         return
     if not hosting:
         return
-    if record is not None and record.round == round_:
-        nodes = len(record.node_ids)
-    else:
-        nodes = yield from calls.add(keys.of_round(round_, "joined"), 0)
-    if nodes > left:
-        yield from calls.wait([keys.of_round(round_, "left", nodes)], LEAVE_GRACE)
+    if members:
+        yield from calls.wait(marks, LEAVE_GRACE)
+        return
+    # Left while joining: the round's members are not known; the counts, capped, are all.
+    joined = min(
+        (yield from calls.add(keys.of_round(round_, "joined"), 0)), joining.settings.most_joins
+    )
+    for _ in range(int(LEAVE_GRACE / _LOOK)):
+        if (yield from calls.add(keys.of_round(round_, "left"), 0)) >= joined:
+            return
+        yield from calls.pause(_LOOK)
 
 
 def delete_run(keys: Keys) -> Steps[None]:
-    """The run finished cleanly (every member passed the exit barrier) and this node left
-    last: nobody reads the run's keys any more, so delete them all.
+    """The run finished cleanly (every member passed the exit barrier) and every member
+    has left: nobody reads the run's keys any more, so delete them all, every generation's
+    and the run's own (its generation markers, its token claim).
 
     Only then: after a failure, a timeout or a signal a node may still come back and need
     the state. A store whose host is an agent (c10d, static) needs no cleaning: it ends
     with that agent."""
-    deleted = yield from calls.delete_prefix(keys.root)
-    if keys.generation:
-        yield from calls.delete_prefix(keys.generation_key)  # a key of its own: nothing left
-    yield from calls.delete_prefix(keys.token_key)
-    logger.debug("deleted the %d keys of the finished run under %s", deleted, keys.root)
+    deleted = 0
+    for prefix in keys.prefixes:
+        deleted += yield from calls.delete_prefix(prefix)
+    logger.debug("deleted the %d keys of the finished run %s", deleted, keys.run_id)

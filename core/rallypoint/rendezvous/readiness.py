@@ -20,7 +20,7 @@ from typing import Any
 from rallypoint.interfaces import RendezvousTimeout
 from rallypoint.rendezvous import calls, records
 from rallypoint.rendezvous.calls import Steps
-from rallypoint.rendezvous.generations import job_round, newest_closed
+from rallypoint.rendezvous.generations import MOST_CHECKED, job_round, newest_closed
 from rallypoint.rendezvous.keys import Keys
 from rallypoint.rendezvous.node import NodeState
 
@@ -92,7 +92,8 @@ def encode(node_id: str, doing: str) -> bytes:
 def getting_ready(keys: Keys) -> Steps[list[tuple[str, str]]]:
     """The nodes that said they are getting ready, and what they do (done ones left out;
     whether they are alive is the reader's to ask)."""
-    count = yield from calls.add(keys.ready_count(), 0)
+    # A count anyone who reaches the store can add to: capped, it sizes no read beyond.
+    count = min((yield from calls.add(keys.ready_count(), 0)), MOST_CHECKED)
     names = [keys.ready(i) for i in range(1, count + 1)]
     found: dict[str, str] = {}
     for raw in (yield from calls.get_many(names)) if names else []:

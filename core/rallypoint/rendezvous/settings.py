@@ -36,6 +36,14 @@ class Settings:
         return cls(min_nodes, max_nodes, **values, prefix=str(conf.get("prefix") or DEFAULT_PREFIX))
 
     @property
+    def most_joins(self) -> int:
+        """The most join numbers of a round the protocol reads: MAX, as many again (numbers
+        voided by nodes that moved on, or counted twice by a retried add), and some slack.
+        A count is a counter anyone who reaches the store can add to: capped, it sizes no
+        read or list beyond this."""
+        return 2 * self.max_nodes + 64
+
+    @property
     def nnodes(self) -> str:
         """The job's size as ``--nnodes`` says it."""
         low, high = self.min_nodes, self.max_nodes

@@ -1,23 +1,36 @@
-"""Rendezvous records sealed with the job token (``--rdzv-conf token_file``).
+"""Rendezvous records sealed with the job token (``--rdzv-conf token_file``), for one attempt.
 
 A job given a token seals every value it writes to the coordination store (join records,
 round records, the round counter, generation markers, ``leaving`` and ``open`` marks, the
-exit barrier's, a failure) with an HMAC-SHA256 of the token over the key and the value.
+exit barrier's, a failure, liveness marks) with an HMAC-SHA256 over the key and the value.
 What it reads counts only if the seal holds: a value that a process without the token
 wrote, or copied from another key, is taken for absent, and the protocol goes on as if it
-had not been written. The seal binds no time (no record is trusted for a timestamp) and
-the key, so a record is good only where its writer put it.
+had not been written.
 
-The counters (``add``: join numbers, the barriers' counts, TCPStore's heartbeat counters)
-are numbers a store adds to and cannot carry a seal. A stray writer can bump them, which
-delays a round (a join number without a record is left out after ``close_timeout``), never
-adds a member. TCPStore's heartbeat counter used to say "gone at once" when its owner
-dropped it below zero; a stray could drop it too, so a sealed job does not trust the drop
-and its leaving node writes a sealed ``<heartbeat key>/gone`` mark instead.
+**Attempts.** Keys repeat: every c10d attempt starts an empty store, and a clean finish on
+etcd or Redis deletes the run's keys, so a record sealed in one attempt would be good in
+the next at the same key. The run's first node therefore claims the run's token key
+(``Keys.token_key``) with a random nonce, sealed with the token's own key; every node of
+the attempt reads the nonce there and seals with a key derived from the token and the
+nonce. A record written in another attempt is worth nothing in this one. (What remains:
+a stray that recorded an old claim can write it back into an empty store before the next
+attempt's first node claims it; see docs/security.md.)
 
-Every node of a job must hold the same token: its first act is to ``claim`` the run's
-token key (``Keys.token_key``), sealed; a node that finds it sealed with another token
-stops at once, saying so, rather than ignoring the job's records until ``join_timeout``.
+**Counters** (``add``: join numbers, the barriers' hints, TCPStore's heartbeat counters)
+cannot carry a seal; a stray can bump them. The protocol caps every count it reads and
+decides nothing on a count alone (``rendezvous.joining``).
+
+**Liveness.** With a token a node is alive only while its own sealed, advancing mark says
+so: every ``keep_alive`` also writes ``<heartbeat key>/mark``, a sealed number higher than
+the last, and a node leaving writes a sealed ``gone`` there. An observer takes a node for
+alive while it saw the mark rise within ``ttl``; the store's own liveness (etcd's lease,
+Redis's TTL key, TCPStore's counter), which a stray can touch either way, only decides a
+first look at a mark that is not fresh, and only for ``ttl`` (``judge``).
+
+**The claim.** Every node of a job must hold the same token. A node that finds the claim
+sealed with another token looks for the records of a job behind it: if there are some, it
+stops at once, saying so; if there are none after a grace (a squatter's claim, or a dead
+job's with another token), it replaces the claim, saying so.
 """
 
 from __future__ import annotations
@@ -26,11 +39,15 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import re
+import secrets
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 from rallypoint.interfaces import CoordinationStore, RendezvousFailed, StoreError, StoreUnavailable
+from rallypoint.job_token import derive
 from rallypoint.rendezvous import records
 from rallypoint.rendezvous.liveness import CounterLiveness
 
@@ -40,23 +57,43 @@ logger = logging.getLogger("rallypoint.rendezvous")
 MARK = records.SEALED
 _TAG_HEX = 32  # 128 bits of the HMAC-SHA256: as strong as forging needs, half the bytes
 _HEAD = len(MARK) + _TAG_HEX + 1
-#: What the token key holds, sealed.
+#: What the token key holds, sealed with the token's own key: this, a space, the nonce.
 CLAIM = b"job token"
-#: A heartbeat key's sealed "gone" mark, on a store whose liveness is a counter.
-GONE = "/gone"
+_CLAIM = re.compile(rb"^job token ([0-9a-f]{32})$")
+_CLAIM_SHAPE = re.compile(rb"^rp1\.[0-9a-f]{32}\.job token [0-9a-f]{32}$")
+#: A heartbeat key's sealed liveness mark: a number that rises with every renewal.
+ALIVE = "/mark"
+_GONE = b" gone"
+_MARK = re.compile(rb"^([0-9]{1,20})( gone)?$")
 #: The first and longest pause between a wait's reads of a key that holds an unsealed value.
 _POLL = (0.05, 0.5)
 #: How many times a compare-and-set replaces a stray's value before giving up.
 _REPLACE_TRIES = 4
+#: The longest a node waits for a job behind a claim sealed with another token.
+CLAIM_GRACE = 5.0
+
+MISMATCH = (
+    "this node's job token is not the one the job's nodes use (the run's token claim and "
+    "its records are sealed with another): give every node of the job the same "
+    "--rdzv-conf token_file or RALLYPOINT_JOB_TOKEN, or give a new job its own --rdzv-id"
+)
 
 
 class Seal:
-    """Seals and opens values with a job token."""
+    """Seals and opens values with a key derived from the job token: the run's (its token
+    claim only), or an attempt's (``for_attempt``: every record of the attempt)."""
 
     def __init__(self, token: bytes) -> None:
-        # Its own key, derived from the token: the peer transfers' HMACs use the token
-        # for other messages, and a tag of one can never pass for the other.
-        self._key = hashlib.sha256(b"rallypoint rendezvous records\0" + token).digest()
+        # Its own key, derived from the token: the peer transfers' proofs use another.
+        self._key = derive(token, "rendezvous records")
+        self.attempt = ""
+
+    def for_attempt(self, attempt: str) -> Seal:
+        """The seal of the attempt whose claim holds ``attempt`` (its nonce)."""
+        sealed = object.__new__(Seal)
+        sealed._key = hmac.new(self._key, b"attempt\0" + attempt.encode(), "sha256").digest()
+        sealed.attempt = attempt
+        return sealed
 
     def _tag(self, key: str, value: bytes) -> bytes:
         mac = hmac.new(self._key, key.encode() + b"\0" + value, hashlib.sha256)
@@ -65,9 +102,9 @@ class Seal:
     def seal(self, key: str, value: bytes) -> bytes:
         return MARK + self._tag(key, value) + b"." + value
 
-    def open(self, key: str, raw: bytes) -> bytes | None:
-        """``raw``'s value if this token sealed it for ``key``, else None."""
-        if not raw.startswith(MARK) or len(raw) < _HEAD or raw[_HEAD - 1 : _HEAD] != b".":
+    def open(self, key: str, raw: bytes | None) -> bytes | None:
+        """``raw``'s value if this seal sealed it for ``key``, else None."""
+        if raw is None or not sealed(raw) or raw[_HEAD - 1 : _HEAD] != b".":
             return None
         value = raw[_HEAD:]
         if hmac.compare_digest(raw[len(MARK) : _HEAD - 1], self._tag(key, value)):
@@ -81,51 +118,154 @@ def sealed(raw: bytes) -> bool:
     return raw.startswith(MARK) and len(raw) >= _HEAD
 
 
-class Ignored:
-    """What a node's connections ignored, logged once for all of them."""
+def unsealed_value(raw: bytes) -> bytes:
+    """A sealed value without its seal: anyone who reads the store can read it."""
+    return raw[_HEAD:] if sealed(raw) else raw
 
-    def __init__(self) -> None:
-        self._said = False
-        self._lock = threading.Lock()
 
-    def note(self, key: str) -> None:
-        with self._lock:
-            first, self._said = not self._said, True
-        if first:
-            logger.warning(
-                "ignored the rendezvous record at %r: it is not sealed with this job's token "
-                "(a process without the token wrote it); ignoring any more such records",
-                key[:200],
-            )
+def attempt_of(value: bytes | None) -> str | None:
+    """The nonce of a claim's opened value, None if it is not a claim."""
+    match = _CLAIM.match(value or b"")
+    return match.group(1).decode() if match else None
+
+
+# --- liveness: state and decisions, apart from the store -----------------------------------
+
+
+@dataclass(frozen=True)
+class Watch:
+    """What one observer saw of one node's liveness mark."""
+
+    sequence: int  # the highest mark read
+    advanced: float | None  # when a mark higher than the one before was read; None: not yet
+    since: float  # when this watch began (a first look)
+    read: float  # when the mark was last read
+    gone: bool = False  # the highest mark said the node left
+
+
+#: A verdict: alive, gone, or (None) ask the store's own liveness: a first look.
+Verdict = bool | None
+
+
+def judge(
+    watch: Watch | None, mark: tuple[int, bool] | None, now: float, ttl: float, wall: int
+) -> tuple[Watch | None, Verdict]:
+    """The watch after reading ``mark`` (its number, and whether it says gone; None: no
+    sealed mark) at ``now``, and the verdict. ``wall``: this host's wall clock, in µs.
+
+    A mark higher than any seen is news: alive (or gone, if it says so). A watch that saw
+    the mark rise within ``ttl`` answers alive without news, whatever a stray did to the
+    store's own liveness or the mark's key. A first look (no watch, or one not read for
+    longer than ``ttl``: the store was out of reach) has not seen a rise yet: for ``ttl``
+    it takes the node for alive where its mark is fresh (a mark's number is its writer's
+    wall clock in µs, sealed: it can only ever vouch for life, for ``ttl``, so a clock
+    skewed between hosts can delay a verdict of death, never cause one), else asks the
+    store's own liveness; a mark that does not rise by then is a dead node's, however
+    alive a stray keeps its lease, key or counter. No mark at a first look: gone (never
+    kept alive in this attempt, or its key was deleted)."""
+    if watch is not None and now - watch.read > ttl:
+        watch = Watch(watch.sequence, None, now, now, watch.gone)
+    if mark is not None and (watch is None or mark[0] > watch.sequence):
+        number, gone = mark
+        if gone:
+            return Watch(number, None, now, now, True), False
+        if watch is None:
+            return Watch(number, None, now, now), _first_look(number, wall, ttl)
+        return Watch(number, now, watch.since, now), True
+    if watch is None:
+        return None, False
+    watch = Watch(watch.sequence, watch.advanced, watch.since, now, watch.gone)
+    if watch.gone:
+        return watch, False
+    if watch.advanced is not None:
+        return watch, now - watch.advanced <= ttl
+    if now - watch.since > ttl:
+        return watch, False
+    return watch, _first_look(watch.sequence, wall, ttl)
+
+
+def _first_look(number: int, wall: int, ttl: float) -> Verdict:
+    """Alive where the mark was written within ``ttl`` by its writer's clock, else ask."""
+    return True if wall - number <= ttl * 1e6 else None
+
+
+def _mark(value: bytes | None) -> tuple[int, bool] | None:
+    match = _MARK.match(value or b"")
+    return (int(match.group(1)), bool(match.group(2))) if match else None
+
+
+class _Shared:
+    """What one node's connections share: the attempt's seal once claimed, whether an
+    ignored record was logged, the numbers of its own marks, its watches of the others'."""
+
+    def __init__(self, seal: Seal) -> None:
+        self.run_seal = seal
+        self.seal: Seal | None = None  # the attempt's
+        self.lock = threading.Lock()
+        self.said = False
+        self.sequence = 0  # the last mark this node wrote
+        self.floors: set[str] = set()  # the keys whose old mark this process read
+        self.watches: dict[str, Watch] = {}
 
 
 class SignedStore:
-    """A ``CoordinationStore`` whose values are sealed with the job token: see the module.
+    """A ``CoordinationStore`` whose values are sealed with the job token for one attempt:
+    see the module.
 
     An unsealed value reads as absent; a compare-and-set that finds one where it expects
     nothing replaces it (a stray cannot hold a key against the job); a wait waits on
-    through one. Counters pass through."""
+    through one. Counters pass through. Until the attempt is known (``claim``, or
+    ``view`` for a reader), nothing reads as present and nothing can be written."""
 
-    def __init__(self, store: CoordinationStore, seal: Seal, ignored: Ignored | None = None):
+    def __init__(
+        self,
+        store: CoordinationStore,
+        seal: Seal,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        _shared: _Shared | None = None,
+    ) -> None:
         self.store = store
-        self.seal = seal
-        self.ignored = ignored or Ignored()
+        self.shared = _shared or _Shared(seal)
+        self.clock = clock
         # A heartbeat counter's drop below zero is no proof of anything: a stray can add.
-        self._counted = isinstance(store, CounterLiveness)
-        if self._counted:
-            store.trust_drops = False  # type: ignore[attr-defined]
+        if isinstance(store, CounterLiveness):
+            store.trust_drops = False
         self._kept: set[str] = set()
 
     @property
     def hosting(self) -> bool | None:
         return getattr(self.store, "hosting", None)
 
+    @property
+    def attempt(self) -> str | None:
+        seal = self.shared.seal
+        return None if seal is None else seal.attempt
+
+    def _seal(self) -> Seal:
+        seal = self.shared.seal
+        if seal is None:
+            raise StoreError("a sealed rendezvous store written to before its token claim")
+        return seal
+
+    def _note(self, key: str) -> None:
+        with self.shared.lock:
+            first, self.shared.said = not self.shared.said, True
+        if first:
+            logger.warning(
+                "ignored the rendezvous record at %r: it is not sealed with this job's token "
+                "for this attempt (a process without the token wrote it, or copied it from "
+                "an earlier attempt); ignoring any more such records",
+                key[:200],
+            )
+
     def _open(self, key: str, raw: bytes | None) -> bytes | None:
         if raw is None:
             return None
-        value = self.seal.open(key, raw)
+        seal = self.shared.seal
+        value = None if seal is None else seal.open(key, raw)
         if value is None:
-            self.ignored.note(key)
+            self._note(key)
         return value
 
     # --- values ---------------------------------------------------------------------------
@@ -137,11 +277,12 @@ class SignedStore:
         return [self._open(k, v) for k, v in zip(keys, self.store.get_many(keys), strict=True)]
 
     def set(self, key: str, value: bytes) -> None:
-        self.store.set(key, self.seal.seal(key, value))
+        self.store.set(key, self._seal().seal(key, value))
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> bytes:
-        mine = self.seal.seal(key, desired)
-        want = None if expected is None else self.seal.seal(key, expected)
+        seal = self._seal()
+        mine = seal.seal(key, desired)
+        want = None if expected is None else seal.seal(key, expected)
         for _ in range(_REPLACE_TRIES):
             now = self.store.compare_set(key, want, mine)
             if now == mine:
@@ -175,7 +316,7 @@ class SignedStore:
             value = self.get(key)
         return value
 
-    # --- counters and liveness ------------------------------------------------------------
+    # --- counters -------------------------------------------------------------------------
 
     def add(self, key: str, amount: int) -> int:
         return self.store.add(key, amount)
@@ -184,47 +325,111 @@ class SignedStore:
         count, raw = self.store.add_and_get(key, amount, other)
         return count, self._open(other, raw)
 
-    def keep_alive(self, key: str, ttl: float) -> None:
-        self.store.keep_alive(key, ttl)
-        self._kept.add(key)
-
-    def alive(self, key: str, ttl: float) -> bool:
-        if not self.store.alive(key, ttl):
-            return False
-        return not self._counted or self.get(key + GONE) is None
-
     def delete_prefix(self, prefix: str) -> int:
         return self.store.delete_prefix(prefix)
 
-    # --- the token and the connection ------------------------------------------------------
+    # --- liveness -------------------------------------------------------------------------
 
-    def claim(self, key: str) -> None:
-        """Seal the run's token key, or find it sealed with this token; stop, in a
-        sentence, when the job's nodes hold another token."""
-        mine = self.seal.seal(key, CLAIM)
-        now = self.store.compare_set(key, None, mine)
-        if now == mine or self.seal.open(key, now) == CLAIM:
-            return
-        # An unsealed value is a stray's: the token key is the job's.
-        if not sealed(now) and self.store.compare_set(key, now, mine) == mine:
-            return
-        raise RendezvousFailed(
-            "this node's job token is not the one the job's nodes use (their rendezvous "
-            "records are sealed with another): give every node of the job the same "
-            "--rdzv-conf token_file or RALLYPOINT_JOB_TOKEN, or give a new job its own "
-            "--rdzv-id"
-        )
+    def keep_alive(self, key: str, ttl: float) -> None:
+        self.store.keep_alive(key, ttl)
+        self.set(key + ALIVE, str(self._next(key)).encode())
+        self._kept.add(key)
+
+    def _next(self, key: str) -> int:
+        """The number of this node's next mark: above the last, above what the store held
+        when this process first kept ``key`` (an agent restarted under the same node id),
+        and the wall clock's microseconds, so that a restart after a clock step back
+        still rises above its own old marks in most cases; only ever a rising number."""
+        floor = 0
+        if key not in self.shared.floors:
+            old = _mark(self.get(key + ALIVE))
+            floor = old[0] if old else 0
+        with self.shared.lock:
+            self.shared.floors.add(key)
+            number = max(self.shared.sequence + 1, floor + 1, time.time_ns() // 1000)
+            self.shared.sequence = number
+            return number
+
+    def alive(self, key: str, ttl: float) -> bool:
+        mark = _mark(self.get(key + ALIVE))
+        now = self.clock()
+        with self.shared.lock:
+            watch, verdict = judge(
+                self.shared.watches.get(key), mark, now, ttl, time.time_ns() // 1000
+            )
+            if watch is None:
+                self.shared.watches.pop(key, None)
+            else:
+                self.shared.watches[key] = watch
+        if verdict is None:  # a first look: the store's own liveness says
+            return self.store.alive(key, ttl)
+        return verdict
+
+    # --- the token claim ------------------------------------------------------------------
+
+    def claim(
+        self,
+        key: str,
+        job_behind: Callable[[], bool],
+        grace: float = CLAIM_GRACE,
+        pause: Callable[[float], object] = time.sleep,
+    ) -> None:
+        """Take part in the run's attempt: seal the token key ``key`` with a new nonce, or
+        find it sealed with this token (the attempt's nonce). A claim sealed with another
+        token stops this node in a sentence when ``job_behind()`` finds records of a job
+        under the run's keys within ``grace`` seconds; else it is replaced, saying so."""
+        run_seal = self.shared.run_seal
+        mine = run_seal.seal(key, CLAIM + b" " + secrets.token_hex(16).encode())
+        deadline = self.clock() + grace
+        want: bytes | None = None
+        for _ in range(1000):  # each turn pauses, or replaces a stray's value
+            now = self.store.compare_set(key, want, mine)
+            attempt = attempt_of(run_seal.open(key, now or None))
+            if attempt is not None:
+                if want is not None:
+                    logger.warning(
+                        "replaced the run's token claim at %r: no record of a job stood "
+                        "behind it (a process without this job's token wrote it, or a job "
+                        "with another token left it)",
+                        key[:200],
+                    )
+                self.shared.seal = run_seal.for_attempt(attempt)
+                return
+            if not now:
+                want = None  # deleted meanwhile: claim it afresh
+                continue
+            if not _CLAIM_SHAPE.match(now):
+                self._note(key)
+                want = now  # not a claim at all: a stray's; the token key is the job's
+                continue
+            if job_behind():
+                raise RendezvousFailed(MISMATCH)
+            if self.clock() >= deadline:
+                want = now
+                continue
+            want = None
+            pause(0.2)
+        raise StoreUnavailable(f"the run's token claim at {key!r} keeps changing")
+
+    def view(self, key: str) -> bool:
+        """As a reader (``rallypoint rendezvous status``): read the attempt from the token
+        key without writing; whether it is sealed with this token."""
+        attempt = attempt_of(self.shared.run_seal.open(key, self.store.get(key)))
+        if attempt is not None:
+            self.shared.seal = self.shared.run_seal.for_attempt(attempt)
+        return attempt is not None
+
+    # --- the connection -------------------------------------------------------------------
 
     def clone(self) -> SignedStore:
-        return SignedStore(self.store.clone(), self.seal, self.ignored)
+        return SignedStore(self.store.clone(), self.shared.run_seal, _shared=self.shared)
 
     def close(self) -> None:
-        if self._counted:
-            for key in self._kept:
-                # The others see this node gone at once, as the counter's drop said; on
-                # an unreachable store its counter lapses instead.
-                with contextlib.suppress(StoreError):
-                    self.set(key + GONE, b"1")
+        for key in self._kept:
+            # The others see this node gone at once; on an unreachable store its mark
+            # stops rising, and it counts as gone after ttl.
+            with contextlib.suppress(StoreError):
+                self.set(key + ALIVE, str(self._next(key)).encode() + _GONE)
         self.store.close()
 
 

@@ -7,7 +7,13 @@ from typing import Any
 
 from rallypoint.interfaces import CoordinationStore
 from rallypoint.rendezvous import calls, readiness, records
-from rallypoint.rendezvous.generations import current_generation, has_records, inspect_run
+from rallypoint.rendezvous.generations import (
+    MOST_CHECKED,
+    current_generation,
+    has_records,
+    inspect_run,
+    job_round,
+)
 from rallypoint.rendezvous.keys import Keys
 from rallypoint.rendezvous.liveness import CounterLiveness
 
@@ -30,7 +36,7 @@ def read_status(
     raw_state = store.get(keys.state())
     if raw_state is None and not has_records(store, keys):
         return {"run_id": run_id, "round": None, "members": [], "waiting": 0, "condition": None}
-    round_ = records.decode_state(keys.state(), raw_state)
+    round_ = calls.drive(job_round(keys), store)
     closed_key = keys.of_round(round_, "closed")
     raw_closed = store.get(closed_key)
     if raw_closed is None and round_ > 0:
@@ -43,7 +49,8 @@ def read_status(
     ready = dict(calls.drive(readiness.getting_ready(keys), store))
     alive = _alive(store, keys, tuple(dict.fromkeys((*members, *ready))), sample)
     getting_ready = [{"node_id": n, "doing": doing} for n, doing in ready.items() if alive[n]]
-    joined_now = store.add(keys.of_round(round_, "joined"), 0)
+    # A count anyone who reaches the store can add to: shown capped.
+    joined_now = min(store.add(keys.of_round(round_, "joined"), 0), MOST_CHECKED)
     forming = raw_closed is None or (record is not None and record.round != round_)
     gone, _ = inspect_run(store, keys, sample)
     failed = store.get(keys.failed()) is not None or bool(

@@ -663,8 +663,12 @@ class Simulation:
         """After every event: note when the rounds that nodes train in end (the protocol's
         own sign: the next round's ``open`` key, or a newer generation of the run)."""
         first = Keys(self.schedule.settings.prefix, RUN_ID)
+        # The hint, then the markers after it (``generations.current``), as dict reads:
+        # this runs after every event.
         raw = self.store.get(first.generation_key)
         generation = records.decode_int(first.generation_key, raw) if raw else 0
+        while self.store.get(first.born(generation + 1)) is not None:
+            generation += 1
         self._generation_seen = generation
         for agent in self.agents:
             training = agent.training

@@ -249,6 +249,69 @@ class StoreConformance:
             owner.close()
             observer.close()
 
+    def test_a_read_of_an_absent_key_wakes_no_wait(self, connect: Connect, prefix: str) -> None:
+        """Reading a key that is not there (any client may) is not writing it: a wait on
+        it goes on. (torch's TCPStore wakes a key's waiters on every compare-and-set of
+        it, the failed one its ``get`` is made of too.)"""
+        waiter, reader = connect(), connect()
+        stop = threading.Event()
+
+        def read() -> None:
+            while not stop.is_set():
+                reader.get(prefix + "open")
+                reader.get_many([prefix + "open"])
+                time.sleep(0.02)
+
+        thread = threading.Thread(target=read, daemon=True)
+        thread.start()
+        try:
+            assert not waiter.wait([prefix + "open"], 1.0)
+            assert waiter.wait_value(prefix + "open", 0.5) is None
+        finally:
+            stop.set()
+            thread.join(10)
+            waiter.close()
+            reader.close()
+
+    def test_with_a_token_a_strays_liveness_neither_keeps_the_dead_nor_ends_the_live(
+        self, connect: Connect, prefix: str
+    ) -> None:
+        """Sealed liveness (``rendezvous.signing``) on this store: a stray that ends a live
+        node's liveness again and again (``keep_alive`` and ``close`` of its key: an etcd
+        lease revoked, a Redis key deleted, a counter dropped) does not make it look dead
+        to a watcher; and a stray that keeps a dead node's liveness up (renewing its lease
+        or key, moving its counter) keeps it alive for no longer than a few ttl."""
+        from rallypoint.rendezvous.signing import Seal, SignedStore
+
+        token, claim = b"conformance token", prefix + "~token"
+        owner, watcher = SignedStore(connect(), Seal(token)), SignedStore(connect(), Seal(token))
+        for signed in (owner, watcher):
+            signed.claim(claim, lambda: False)
+        key, ttl = prefix + "hb/a", 2.0
+        strays: list[CoordinationStore] = []
+        try:
+            owner.keep_alive(key, ttl)
+            assert watcher.alive(key, ttl)
+            ends = time.monotonic() + 2 * ttl
+            while time.monotonic() < ends:
+                stray = connect()
+                stray.keep_alive(key, ttl)
+                stray.close()  # what it kept ends: the owner's liveness in the store too
+                assert watcher.alive(key, ttl), "a live node taken for dead by a stray's touch"
+                owner.keep_alive(key, ttl)
+                time.sleep(ttl / 6)
+            # The owner dies (nothing closed); a stray keeps its liveness up in the store.
+            stray = connect()
+            strays.append(stray)
+            died = time.monotonic()
+            while watcher.alive(key, ttl):
+                assert time.monotonic() - died < 4 * ttl, "a dead node kept alive by a stray"
+                stray.keep_alive(key, ttl)
+                time.sleep(0.1)
+        finally:
+            for client in (*strays, owner, watcher):
+                client.close()
+
     def test_operations_ride_out_an_outage(
         self, connect: Connect, prefix: str, request: pytest.FixtureRequest
     ) -> None:
@@ -333,11 +396,30 @@ class StoreConformance:
     # --- the protocol on this store -----------------------------------------------------
 
     def _node(
-        self, connect: Connect, run_id: str, name: str, low: int, high: int, **conf: float
+        self,
+        connect: Connect,
+        run_id: str,
+        name: str,
+        low: int,
+        high: int,
+        **conf: float,
     ) -> StoreRendezvous:
+        return self._sealed_node(connect, run_id, name, low, high, None, **conf)
+
+    def _sealed_node(
+        self,
+        connect: Connect,
+        run_id: str,
+        name: str,
+        low: int,
+        high: int,
+        token: bytes | None,
+        **conf: float,
+    ) -> StoreRendezvous:
+        """A node whose records are sealed with ``token`` (none: not sealed)."""
         settings = Settings.from_conf(low, high, {"last_call_timeout": 2.0, **conf})
         node = NodeSpec(name, host="127.0.0.1")
-        return StoreRendezvous(connect(), run_id, node, 2, _ORDERED, settings)
+        return StoreRendezvous(connect(), run_id, node, 2, _ORDERED, settings, token=token)
 
     def test_concurrent_joins_agree(self, connect: Connect) -> None:
         run_id = uuid.uuid4().hex
@@ -521,11 +603,14 @@ class StoreConformance:
         assert {a.info.members for a in assignments} == {("n0", "n1")}
         assert took < 15, f"the dead leader held the round up for {took:.1f} s"
 
-    def test_a_job_that_finished_cleanly_leaves_no_key(self, connect: Connect) -> None:
+    @pytest.mark.parametrize("token", [None, b"conformance token"], ids=["open", "sealed"])
+    def test_a_job_that_finished_cleanly_leaves_no_key(
+        self, connect: Connect, token: bytes | None
+    ) -> None:
         from rallypoint.rendezvous.keys import Keys
 
         run_id = uuid.uuid4().hex
-        nodes = [self._node(connect, run_id, f"n{i}", 2, 2) for i in range(2)]
+        nodes = [self._sealed_node(connect, run_id, f"n{i}", 2, 2, token) for i in range(2)]
         try:
             assignments = _in_threads(2, lambda i: nodes[i].next_round())
             assert all(isinstance(a, Assignment) for a in assignments), assignments
@@ -536,6 +621,8 @@ class StoreConformance:
         keys = Keys("/rallypoint", run_id)
         probe = [keys.state(), keys.of_round(0, "closed"), keys.of_round(0, "node", 1)]
         probe += [keys.of_round(0, "left"), keys.heartbeat("n0"), keys.heartbeat("n1")]
+        probe += [keys.of_round(0, "left", 0), keys.of_round(0, "done", "all"), keys.token_key]
+        probe += [keys.heartbeat("n0") + "/mark"]
         reader = connect()
         try:
             assert reader.get_many(probe) == [None] * len(probe)
