@@ -21,6 +21,7 @@ from rallypoint.config import DEFAULT_MASTER_PORT
 from rallypoint.errors import UsageError
 from rallypoint.extensions import (
     COMMON_RENDEZVOUS_OPTIONS,
+    DEFAULT_PREFIX,
     ConfigOption,
     NodeSpec,
     RankAssigner,
@@ -56,7 +57,7 @@ def connect_c10d(request: RendezvousRequest) -> CoordinationStore:
     from rallypoint.rendezvous.endpoints import parse_endpoint
 
     host, port = parse_endpoint(request.endpoint or "localhost", C10D_DEFAULT_PORT)
-    return _tcpstore(request, host, port, request.options.get("is_host"))
+    return _tcpstore(request, host, port, request.options.get("is_host"), "--rdzv-endpoint")
 
 
 def connect_static(request: RendezvousRequest) -> CoordinationStore:
@@ -65,22 +66,31 @@ def connect_static(request: RendezvousRequest) -> CoordinationStore:
     default_port = request.master_port or DEFAULT_MASTER_PORT
     if request.endpoint:  # `rallypoint rendezvous status` names the store this way
         host, port = parse_endpoint(request.endpoint, default_port)
+        flag = "--rdzv-endpoint"
     else:
         host, port = request.master_addr, default_port
+        flag = "--master-port"
     is_host = request.options.get("is_host")
-    return _tcpstore(request, host, port, request.node_rank == 0 if is_host is None else is_host)
+    is_host = request.node_rank == 0 if is_host is None else is_host
+    return _tcpstore(request, host, port, is_host, flag)
 
 
 def _tcpstore(
-    request: RendezvousRequest, host: str, port: int, is_host: bool | None
+    request: RendezvousRequest, host: str, port: int, is_host: bool | None, flag: str
 ) -> CoordinationStore:
-    from rallypoint.rendezvous.tcpstore import TCPStoreClient
+    from rallypoint.rendezvous.keys import Keys
+    from rallypoint.rendezvous.tcpstore import HostMark, TCPStoreClient
 
+    if request.viewer:
+        return TCPStoreClient(
+            host, port, is_host=False, timeout=float(request.options["read_timeout"])
+        )
+    # The agent that hosts marks the store as this job's: one that was to host it but
+    # finds the port taken joins only a store so marked (``HostMark``).
+    keys = Keys(str(request.options.get("prefix") or DEFAULT_PREFIX), request.run_id)
+    mark = HostMark(f"{keys.prefixes[1]}host", request.node.node_id, request.token, flag)
     return TCPStoreClient(
-        host,
-        port,
-        is_host=False if request.viewer else is_host,
-        timeout=float(request.options["read_timeout"]),
+        host, port, is_host=is_host, timeout=float(request.options["read_timeout"]), mark=mark
     )
 
 

@@ -5,17 +5,22 @@ is the endpoint's hosts the store (or the one told ``is_host=true``); when that 
 the store dies with it, and the other agents report it: use etcd or Redis where the job
 must survive the loss of any node. A connection that breaks while the host still listens
 (a network blip, a partition) is ``StoreUnavailable``: the next call connects again, and
-the protocol retries meanwhile.
+the protocol retries meanwhile. An agent that was to host the store but finds its port
+taken joins the store there only if an agent of its job hosts it, which that agent's mark
+in the store tells (``HostMark``); else it stops, saying so.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from rallypoint.interfaces import StoreError, StoreUnavailable
@@ -23,10 +28,15 @@ from rallypoint.rendezvous.liveness import CounterLiveness
 
 T = TypeVar("T")
 
+logger = logging.getLogger("rallypoint.rendezvous")
+
 #: The longest one attempt to connect again may take: the protocol retries it with backoff.
 RECONNECT_TIMEOUT = 5.0
 #: The longest one of torch's blocking waits lasts; a longer ``wait`` is made of several.
 WAIT_SLICE = 1.0
+#: How long an agent that was to host the store, and found its port taken, waits for the
+#: mark of the agent that hosts it (``HostMark``): it writes it as it starts the store.
+HOST_MARK_WAIT = 5.0
 #: What ``get`` compares keys with: no rendezvous record or counter is ever this value.
 _READ = b"\x00rallypoint: read, do not write\x00"
 
@@ -44,10 +54,52 @@ def _is_local(host: str) -> bool:
     return host in local or address in local
 
 
+@dataclass(frozen=True)
+class HostMark:
+    """The key the agent that hosts a job's store writes into it at once, naming its node,
+    sealed with the job token when there is one. An agent that was to host the store but
+    finds the port taken joins only a store that holds it: another agent of the job on
+    this host (several agents of a host is common in tests), not whatever listens there."""
+
+    key: str
+    node: str
+    token: bytes | None = field(default=None, repr=False)
+    #: The flag that chooses the store's port, named in the refusal.
+    flag: str = "--rdzv-endpoint"
+
+    def value(self) -> bytes:
+        if self.token is None:
+            return self.node.encode()
+        from rallypoint.rendezvous.signing import Seal
+
+        return Seal(self.token).seal(self.key, self.node.encode())
+
+    def read(self, raw: bytes) -> str | None:
+        """The hosting node ``raw`` names, or None when it is not this job's mark."""
+        if self.token is not None:
+            from rallypoint.rendezvous.signing import Seal
+
+            opened = Seal(self.token).open(self.key, raw)
+            if opened is None:
+                return None
+            raw = opened
+        return raw.decode(errors="replace") or None
+
+
 class TCPStoreClient(CounterLiveness):
     """``CoordinationStore`` on a torch TCPStore; liveness by heartbeat counters."""
 
-    def __init__(self, host: str, port: int, *, is_host: bool | None, timeout: float) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        is_host: bool | None,
+        timeout: float,
+        mark: HostMark | None = None,
+    ) -> None:
+        """``mark``: what the agent that hosts writes, and what one that was to host but
+        finds the port taken checks before it joins the store there (``HostMark``)."""
         super().__init__()
         # torch's C++ logging would print a warning for every wait that times out (the last
         # call ends that way); quiet it for this process only, not for the workers.
@@ -73,14 +125,20 @@ class TCPStoreClient(CounterLiveness):
         if hosting:
             try:
                 self._store: Any = self._connect(host, port, True)
-                self.hosting = True
-                return
             except (RuntimeError, dist.DistStoreError) as error:
+                if mark is not None and _in_use(error):  # an agent of this job, or not
+                    self._store = self._join_host(port, mark)
+                    return
                 if is_host:
                     raise StoreError(
                         f"cannot host the c10d store on port {port} ({error}); is the port taken?"
                     ) from None
                 # The port is taken here: another agent of this host hosts it; join it.
+            else:
+                self.hosting = True
+                if mark is not None:  # not through set: never deleted with the run's keys
+                    self._store.set(mark.key, mark.value())
+                return
         try:
             self._store = self._connect(host, port, False)
         except (RuntimeError, dist.DistStoreError) as error:
@@ -88,6 +146,58 @@ class TCPStoreClient(CounterLiveness):
                 f"cannot reach the c10d store at {host}:{port} ({error}); is the agent that "
                 "hosts it (the one on the endpoint's host) running?"
             ) from None
+
+    def _join_host(self, port: int, mark: HostMark) -> Any:
+        """The store another agent of this job hosts on this host's ``port``, which this
+        agent found taken; ``StoreError`` when no such agent's mark is there within
+        HOST_MARK_WAIT seconds."""
+        refusal = (
+            f"port {port} on this host is taken by a process that is not an agent of this "
+            f"job ({{}}); free the port, or choose another port with {mark.flag}"
+        )
+        # torch's client waits for a listener's answer with no bound: one that is no
+        # TCPStore may never give it. So it connects in a thread of its own, given up on
+        # (left behind, a daemon) after HOST_MARK_WAIT seconds.
+        connected: dict[str, Any] = {}
+        deadline = time.monotonic() + HOST_MARK_WAIT
+
+        def connect() -> None:
+            try:
+                connected["store"] = self._connect(self.host, port, False, HOST_MARK_WAIT)
+            except (RuntimeError, self._dist.DistStoreError) as error:
+                connected["error"] = error
+
+        thread = threading.Thread(target=connect, name="rallypoint-store-probe", daemon=True)
+        thread.start()
+        thread.join(HOST_MARK_WAIT)  # the same bound as the mark's, all in all
+        if "store" not in connected:
+            error = connected.get("error")
+            why = "no answer" if error is None else _first_line(error)
+            raise StoreError(refusal.format(f"{why} as a TCPStore"))
+        store = connected["store"]
+        raw = None
+        while raw is None and (left := deadline - time.monotonic()) > 0:
+            try:
+                store.wait([mark.key], datetime.timedelta(seconds=left))
+                if store.check([mark.key]):  # a wait may be woken by a read of the key
+                    raw = bytes(store.get(mark.key))
+            except (RuntimeError, self._dist.DistStoreError):
+                break  # timed out, or it is no store of ours
+        node = None if raw is None else mark.read(raw)
+        if node is None and raw is not None and mark.token is not None:
+            from rallypoint.rendezvous.signing import MISMATCH, sealed
+
+            if sealed(raw):  # the job's, with another token (or a squatter's look-alike)
+                raise StoreError(f"the c10d store on port {port} of this host: {MISMATCH}")
+        if node is None:
+            found = "no mark of an agent of this job" if raw is None else "a mark it cannot prove"
+            raise StoreError(refusal.format(f"{found} after {HOST_MARK_WAIT:g} s"))
+        logger.info(
+            "another agent of this host (node %s) hosts the c10d store on port %d: joining it",
+            node, port,
+        )  # fmt: skip
+        store.set_timeout(datetime.timedelta(seconds=self.timeout))
+        return store
 
     def _connect(self, host: str, port: int, is_master: bool, timeout: float | None = None) -> Any:
         return self._dist.TCPStore(  # type: ignore[attr-defined]
@@ -191,9 +301,12 @@ class TCPStoreClient(CounterLiveness):
     def wait(self, keys: Sequence[str], timeout: float) -> bool:
         store = self._connection()
 
-        def attempt(slice_: datetime.timedelta) -> bool:
+        def attempt(slice_: datetime.timedelta) -> bool | None:
             store.wait(list(keys), slice_)
-            return True
+            # TCPStore wakes a key's waiters on every compare-and-set of it, the one that
+            # finds it absent too (what ``get`` sends, and what any client may): woken is
+            # not written. None: wait on.
+            return True if store.check(list(keys)) else None
 
         if self._in_slices(timeout, attempt) is None:
             return False
@@ -222,7 +335,14 @@ class TCPStoreClient(CounterLiveness):
         while True:
             left = deadline - time.monotonic()
             try:
-                return attempt(datetime.timedelta(seconds=min(max(left, 0.001), WAIT_SLICE)))
+                result = attempt(datetime.timedelta(seconds=min(max(left, 0.001), WAIT_SLICE)))
+                if result is not None:
+                    return result
+                if left <= 0:
+                    return None
+                # Woken for nothing: wait on, a little later (a stray may wake it in a loop).
+                time.sleep(min(0.01, max(0.0, left)))
+                continue
             except (RuntimeError, self._dist.DistStoreError) as error:
                 timed_out = isinstance(error, self._dist.DistStoreError) and (
                     "timeout" in str(error).lower()
@@ -267,6 +387,12 @@ class TCPStoreClient(CounterLiveness):
             self.end_liveness()
         self._closed = True
         self._store = None
+
+
+def _in_use(error: Exception) -> bool:
+    """Whether torch failed to host a store because the port is taken."""
+    text = str(error)
+    return "EADDRINUSE" in text or "already in use" in text.lower()
 
 
 def _first_line(error: Exception) -> str:
