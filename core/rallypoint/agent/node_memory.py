@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from rallypoint import events
-from rallypoint.agent import peers, resume
+from rallypoint.agent import peer_server, peer_wire, peers, resume
 from rallypoint.checkpoint import manifest as mf
 from rallypoint.checkpoint import slot
 from rallypoint.checkpoint.checkpointer import PEER_FOLDER, open_storage, ranks_tier, shared_ranks
@@ -128,13 +128,14 @@ class NodeMemory:
         self._senders: dict[Key, Latest] = {}
         self._next: str | None = None  # the server of the node after this one in the round
         self._ending = False  # the round ended: its members may be leaving
-        self.server: peers.PeerServer | None = None
+        self.server: peer_server.PeerServer | None = None
         self._prefetch: threading.Thread | None = None  # the newest, before a join
-        self._refusals = 0  # transfers refused for want of the job's token
+        self._refusals = 0  # transfers refused: without the job's token, or unsafe
+        self._refusals_lock = threading.Lock()  # the server's threads refuse
         self._prefetch_last = False  # whether it was started with nothing else to wait for
         if config.max_nodes > 1:
             try:
-                self.server = peers.PeerServer(
+                self.server = peer_server.PeerServer(
                     host, self._find, self._inbox, config.job_token, self._refused
                 )
             except OSError as error:
@@ -149,14 +150,17 @@ class NodeMemory:
         return self.config.job_token
 
     def _refused(self, peer: str, why: str) -> None:
-        """A transfer without the job's token was refused: said once, each one counted."""
-        if not self._refusals:
+        """The server refused a transfer (no job token, a wrong one, an unsafe manifest):
+        said once, each one counted."""
+        with self._refusals_lock:
+            first = not self._refusals
+            self._refusals += 1
+        if first:
             logger.warning(
                 "refused a checkpoint transfer from %s: it gave %s (the next refusals are "
                 "counted in the peer_refused events, not logged)",
                 peer, why,
             )  # fmt: skip
-        self._refusals += 1
         self._emit(events.PEER_REFUSED, peer=peer, reason=why)
 
     # --- where copies are -----------------------------------------------------------------
@@ -173,10 +177,10 @@ class NodeMemory:
     @contextlib.contextmanager
     def _find(self, step: int, rank: int, sharded: bool) -> Iterator[Held]:
         """The copy of ``step`` by ``rank`` this node holds, its own or a peer's, held
-        while the block runs (``peers.NEWEST``: its newest whole state); ``mf.Damaged``
+        while the block runs (``peer_wire.NEWEST``: its newest whole state); ``mf.Damaged``
         when it holds none."""
-        if step == peers.NEWEST and not sharded:
-            step = max(self.held(), default=peers.NEWEST)
+        if step == peer_wire.NEWEST and not sharded:
+            step = max(self.held(), default=peer_wire.NEWEST)
         with contextlib.ExitStack() as stack:
             holds: tuple[Callable[[], contextlib.AbstractContextManager[Held]], ...] = (
                 lambda: self.copies.hold(step, rank, sharded),
@@ -267,7 +271,7 @@ class NodeMemory:
             (member, offer["server"]) for member, offer in enumerate(offers) if offer.get("server")
         ]
         fetched = self._first_copy(
-            servers, peers.NEWEST, 0, False, "the newest checkpoint", logging.DEBUG
+            servers, peer_wire.NEWEST, 0, False, "the newest checkpoint", logging.DEBUG
         )
         if fetched is not None:
             member, step, size, seconds = fetched
@@ -321,6 +325,10 @@ class NodeMemory:
             began = time.perf_counter()
             try:
                 fetched, size = peers.get(server, step, inbox, rank, sharded, self._token)
+            except peer_wire.Refused as error:  # not a peer's mishap: always said, and counted
+                logger.warning("%s not fetched from %s: %s", what, server, error)
+                self._emit(events.PEER_REFUSED, peer=server, reason=error.reason)
+                continue
             except (OSError, ValueError, CheckpointError, mf.Damaged) as error:
                 logger.log(level, "%s not fetched from %s: %s", what, server, error)
                 continue
@@ -362,6 +370,9 @@ class NodeMemory:
         try:
             with self.copies.hold(step, rank, sharded, or_newer=True) as held:
                 peers.put(server, held, rank, sharded, self._token)
+        except peer_wire.Refused as error:  # its answers prove no token: not the job's agent
+            logger.warning("checkpoint of step %d not sent to %s: %s", step, server, error)
+            self._emit(events.PEER_REFUSED, peer=server, reason=error.reason)
         except (OSError, ValueError, CheckpointError, mf.Damaged) as error:
             # While the round ends the peer may be leaving (told to stop): no news.
             level = logging.INFO if self._ending else logging.WARNING

@@ -9,6 +9,7 @@ import io
 import logging
 import mmap
 import os
+import re
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rallypoint import events
 from rallypoint.checkpoint import arena, slot
 from rallypoint.checkpoint import manifest as mf
 from rallypoint.checkpoint.copies import FILE, FORMAT, SHARDED, Copies
@@ -83,6 +85,7 @@ class _Candidate:
     source: str
     where: str
     load: Callable[[], tuple[Any, int, int]]  # (state, world size, bytes)
+    url: str = ""  # the storage it is in, which a refusal names
 
 
 class Checkpointer:
@@ -418,7 +421,7 @@ class Checkpointer:
                 return reader, world, size
 
             where = f"{name} ({DURABLE})"
-            found.append(_Candidate(step, 2, DURABLE, where, reading(open_all)))
+            found.append(_Candidate(step, 2, DURABLE, where, reading(open_all), durable.url))
         return found
 
     def save_shares(
@@ -526,7 +529,8 @@ class Checkpointer:
                 state, size = read(name, manifest)
                 return state, manifest.world_size, size
 
-            found.append(_Candidate(step, order, tier.source, f"{name} ({tier.source})", load))
+            where = f"{name} ({tier.source})"
+            found.append(_Candidate(step, order, tier.source, where, load, tier.url))
         return found
 
     def _load_newest(self, candidates: list[_Candidate]) -> Checkpoint | None:
@@ -541,6 +545,9 @@ class Checkpointer:
             except mf.Damaged as reason:
                 skipped.append(f"{where}: {reason}")
                 logger.warning("checkpoint %s skipped: %s", where, reason)
+                if isinstance(reason, mf.Unsafe):  # written by no rallypoint: the agent counts it
+                    peer = candidate.url or candidate.where
+                    worker_channel.send(events.PEER_REFUSED, peer=peer, reason=str(reason))
                 continue
             if skipped:
                 logger.warning("loaded checkpoint %s instead", where)
@@ -564,13 +571,19 @@ def ranks_tier(tier: Tier, rank: int) -> Tier:
 
 
 def shared_ranks(tier: Tier) -> set[int]:
-    """The ranks whose shares ``tier``'s storage holds."""
+    """The ranks whose shares ``tier``'s storage holds (``sharded/rank-R/``, R below
+    ``manifest.MAX_RANKS``, spelt as ``ranks_tier`` spells it)."""
     found = set()
     for name in tier.storage.names():
-        head, _, rest = name.partition("/")
-        if head == "sharded" and rest[:5] == "rank-" and rest[5:10].isdigit():
-            found.add(int(rest[5:10]))
+        match = _RANK_FOLDER.match(name)
+        if match is not None:
+            rank = int(match.group(2))
+            if rank < mf.MAX_RANKS and SHARDED.format(rank=rank) == match.group(1):
+                found.add(rank)
     return found
+
+
+_RANK_FOLDER = re.compile(r"(sharded/rank-([0-9]{5,7}))/")
 
 
 def _slot_reader(paths: list[Path]) -> Any:

@@ -19,9 +19,16 @@ from pathlib import Path
 from typing import BinaryIO
 from urllib.parse import unquote, urlparse
 
+from rallypoint.checkpoint import manifest as mf
 from rallypoint.interfaces import CheckpointError, CheckpointStorage
 
-_TEMPORARY = ".tmp-"
+_TEMPORARY = mf.TEMPORARY
+
+
+class UnsafeName(CheckpointError, mf.Unsafe):
+    """A name a ``FileStorage`` refuses: not a safe name (``manifest.name_problem``), or
+    one whose path leads outside its root. A ``CheckpointError`` to whoever uses the
+    storage, and to a load a damaged checkpoint (``manifest.Damaged``), skipped."""
 
 
 class FileStorage:
@@ -30,6 +37,9 @@ class FileStorage:
     A write goes to a temporary file beside the target, is flushed and fsynced, renamed
     over the target and the directory fsynced: after a crash at any moment, the target
     is either absent, the old object, or the whole new one.
+
+    Names are checked before they are used (``path``): whatever the caller, nothing
+    outside the root is created, read or removed.
     """
 
     def __init__(self, url: str) -> None:
@@ -45,7 +55,18 @@ class FileStorage:
             ) from None
 
     def path(self, name: str) -> Path:
-        return self.root / name
+        """Where the object ``name`` lies (``""``: the root); ``UnsafeName`` for a name
+        that is not safe (``manifest.name_problem``) or that resolves, through a symbolic
+        link in the root say, to a path outside it."""
+        if name == "":
+            return self.root
+        problem = mf.name_problem(name)
+        path = self.root / name
+        if problem is None and not path.resolve().is_relative_to(self.root.resolve()):
+            problem = "it leads outside the directory"
+        if problem is not None:
+            raise UnsafeName(f"{self.url}: object name {mf.shortened(name)} refused: {problem}")
+        return path
 
     @contextlib.contextmanager
     def writer(self, name: str) -> Iterator[BinaryIO]:
@@ -79,6 +100,8 @@ class FileStorage:
 
     def delete(self, name: str) -> None:
         path = self.path(name)
+        if path == self.root:
+            raise UnsafeName(f"{self.url}: refused to delete the whole directory by name")
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
         else:

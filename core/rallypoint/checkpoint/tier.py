@@ -23,7 +23,7 @@ from rallypoint.interfaces import CheckpointError, CheckpointStorage
 
 logger = logging.getLogger("rallypoint.checkpoint")
 
-BEGUN = "begun"  # written first: a checkpoint with it and no manifest was never finished
+BEGUN = mf.BEGUN  # written first: a checkpoint with it and no manifest was never finished
 MEMORY = "memory"  # this node's memory (``--checkpoint-memory``)
 PEER = "peer"  # a copy another node's agent sent to this node's memory
 DURABLE = "durable"  # ``--checkpoint-dir``
@@ -134,14 +134,23 @@ class Tier:
         )
 
     def receive(
-        self, manifest: mf.Manifest, open_file: Callable[[str], AbstractContextManager[BinaryIO]]
+        self,
+        manifest: mf.Manifest,
+        open_file: Callable[[str], AbstractContextManager[BinaryIO]],
+        check: Callable[[], object] | None = None,
     ) -> int:
         """Write the checkpoint ``manifest`` describes, reading each of its files from
         ``open_file(file name)`` (another tier, a peer's socket), checked against the
-        manifest on the way: a damaged copy is not kept. The bytes written.
+        manifest on the way: a damaged copy is not kept. The bytes written. ``check``, if
+        given, is called once the payload is written and before the manifest is: what it
+        raises (a transfer's MAC that does not hold) fails the copy.
 
         The same order as a save: ``begun``, the payload, the manifest last. A copy that
-        fails (a full disk) is removed, and the checkpoints here before it stay whole."""
+        fails (a full disk) is removed, and the checkpoints here before it stay whole. A
+        manifest with a file name that is not safe (``manifest.safe_name``) is refused
+        (``manifest.Unsafe``) before anything is written."""
+        for file_name in manifest.files:
+            mf.safe_name(file_name)
         step = manifest.step
         name = mf.directory(step)
         copied = 0
@@ -150,6 +159,8 @@ class Tier:
             for file_name, entry in manifest.files.items():
                 with open_file(file_name) as reader:
                     copied += self._receive_file(reader, f"{name}/{file_name}", entry)
+            if check is not None:
+                check()
             with self.storage.writer(f"{name}/{mf.MANIFEST}") as handle:
                 handle.write(manifest.encode())
         except Exception as error:
@@ -180,6 +191,8 @@ class Tier:
     def manifest(self, name: str) -> mf.Manifest:
         try:
             raw = self.read(f"{name}/{mf.MANIFEST}")
+        except mf.Unsafe:
+            raise
         except mf.Damaged:
             raise mf.Damaged("unfinished (no manifest)") from None
         return mf.Manifest.decode(raw)
