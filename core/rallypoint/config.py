@@ -11,7 +11,10 @@ checks this machine against it. Nothing after that has to validate user input ag
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import shlex
+import stat
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +41,8 @@ from rallypoint.registry import (
 from rallypoint.rendezvous import torch_keys
 from rallypoint.slurm import apply_slurm
 from rallypoint.worker import variables
+
+logger = logging.getLogger(__name__)
 
 #: torchrun's port of rank 0 when ``--master-port`` is not given (static rendezvous).
 DEFAULT_MASTER_PORT = 29500
@@ -307,28 +312,53 @@ def _accelerator_count(kind: str) -> int:
 TOKEN_ENV = variables.JOB_TOKEN
 
 
+#: A token shorter than this is said to be weak (a warning): 128 bits, if random.
+GOOD_TOKEN_BYTES = 16
+
+
 def job_token(options: Mapping[str, Any], environ: Mapping[str, str]) -> bytes | None:
     """The job's secret: the contents of ``token_file`` (surrounding whitespace dropped),
     else ``RALLYPOINT_JOB_TOKEN``; None when neither is given. A file that is missing,
-    unreadable or empty, or an empty variable, is a usage error."""
+    unreadable or empty, or an empty variable, is a usage error; a file that others may
+    read, or a short token, is a warning (``rallypoint run`` reads the token once, so each
+    is said once per agent)."""
     path = options.get("token_file")
     if path:
         where = f"--rdzv-conf token_file={path}"
         try:
             token = Path(path).read_bytes().strip()
+            mode = os.stat(path).st_mode
         except FileNotFoundError:
             raise UsageError(f"{where}: no such file.") from None
         except OSError as error:
             raise UsageError(f"{where}: cannot read it ({error.strerror or error}).") from None
         if not token:
             raise UsageError(f"{where}: the file is empty; put the job's secret in it.")
+        if mode & 0o044:
+            who = "others" if mode & 0o004 else "its group"
+            logger.warning(
+                "%s is readable by %s (mode %04o): chmod 600 %s",
+                where, who, stat.S_IMODE(mode), shlex.quote(str(path)),
+            )  # fmt: skip
+        _check_length(token, where)
         return token
     raw = environ.get(TOKEN_ENV)
     if raw is None:
         return None
     if not raw.strip():
         raise UsageError(f"{TOKEN_ENV} is set but empty: give the job's secret, or unset it.")
-    return raw.strip().encode()
+    token = raw.strip().encode()
+    _check_length(token, TOKEN_ENV)
+    return token
+
+
+def _check_length(token: bytes, where: str) -> None:
+    if len(token) < GOOD_TOKEN_BYTES:
+        logger.warning(
+            "%s: the job token is short (%d bytes) and may be guessed; make one of %d random "
+            "bytes or more, e.g. with `head -c 32 /dev/urandom | base64`",
+            where, len(token), GOOD_TOKEN_BYTES,
+        )  # fmt: skip
 
 
 # --- the plugins the flags choose, each looked up once ----------------------------------------

@@ -124,6 +124,15 @@ class Agent:
         self.memory: NodeMemory | None = None
         if config.checkpoint_memory:
             self.memory = NodeMemory(config, host, self.bus.emit)
+            server = self.memory.server
+            if server is not None and config.job_token is None:
+                logger.warning(
+                    "serving memory checkpoints to the other nodes on %s without a job token: "
+                    "any process that reaches this port can fetch or push a checkpoint; give "
+                    "every node --rdzv-conf token_file=PATH or RALLYPOINT_JOB_TOKEN "
+                    "(docs/security.md)",
+                    server.address,
+                )
         # Workers report checkpoint saves and loads here; they reach the bus like ours.
         # Their heartbeats (the step reached) go to progress, and on to the watchdog.
         self.progress = Progress(None if self.watchdog is None else self.watchdog.beat)
@@ -608,6 +617,8 @@ class Agent:
             self._kept = Keeper()
             if self.memory is not None:
                 self._kept.own(str(self.memory.path))
+            # The worker channel's socket, in a directory of its own: gone with the agent.
+            self._kept.own(self._worker_events.directory)
             self.warm.prepare(self._kept)
         return self._kept
 
@@ -807,7 +818,11 @@ def _failed_at(worker: Worker, default: float) -> float:
 def _run_directory(config: LaunchConfig) -> tuple[Path, bool]:
     """Where error files, logs and the failure report of this run go; and if it is temporary."""
     if config.log_dir:
+        # --log-dir may be shared and exist already: only the run's own directory is
+        # private (0700, like mkdtemp's), as its logs and reports may tell secrets.
         path = Path(config.log_dir) / f"{config.rdzv_id}_{uuid.uuid4().hex[:8]}"
-        path.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700)
+        path.chmod(0o700)  # whatever the umask
         return path, False
     return Path(tempfile.mkdtemp(prefix=f"rallypoint-{config.rdzv_id}-")), True

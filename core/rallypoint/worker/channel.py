@@ -1,10 +1,14 @@
 """Events from workers to their agent: checkpoint saves and loads, for the metrics sinks,
 and heartbeats, for the watchdog (``rallypoint.worker.progress``).
 
-The agent listens on a Unix datagram socket in the abstract namespace (nothing on disk)
-and names it in ``RALLYPOINT_EVENTS_SOCKET``; a worker sends one JSON object per event.
-Such a socket has no file mode, so the agent drops what a process of another user sends
-(the kernel's credentials of each datagram, Linux's ``SO_PASSCRED``).
+The agent listens on a Unix datagram socket and names its path in
+``RALLYPOINT_EVENTS_SOCKET``; a worker sends one JSON object per event. The socket lies in
+a directory of its own that only the job's user may enter (0700): a process of another
+user can neither send to it nor fill its queue (short: ``net.unix.max_dgram_qlen``), which
+would make the workers' sends fail. Were it reached all the same, the agent drops what a
+process of another user sends (the kernel's credentials of each datagram, Linux's
+``SO_PASSCRED``). The agent removes the directory when it stops; its keeper does, if the
+agent is killed (``rallypoint.agent.keeper_server``).
 Sending never blocks and never fails the worker: without an agent, events are dropped.
 """
 
@@ -14,10 +18,12 @@ import contextlib
 import json
 import logging
 import os
+import select
+import shutil
 import socket
 import struct
+import tempfile
 import threading
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +32,7 @@ from rallypoint.worker import variables
 
 ENV = variables.EVENTS_SOCKET
 #: The events a worker may send; anything else is ignored by the agent.
-WORKER_EVENTS = frozenset({events.CHECKPOINT_SAVED, events.CHECKPOINT_LOADED})
+WORKER_EVENTS = frozenset({events.CHECKPOINT_SAVED, events.CHECKPOINT_LOADED, events.PEER_REFUSED})
 #: A worker's sign of progress: for the agent's watchdog only, never an event of the run.
 HEARTBEAT = "heartbeat"
 #: A worker's messages about saves on notice (``rallypoint.worker.notice``): for the agent
@@ -36,6 +42,14 @@ NOTICE_HELD = "notice_held"
 NOTICES = frozenset({NOTICE_WATCHING, NOTICE_HELD})
 _MAX = 65536
 _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+#: The socket's name in its directory.
+SOCKET_NAME = "events"
+#: The longest path a Unix socket may have: ``sun_path`` holds 108 bytes, with a NUL.
+MAX_PATH = 107
+#: Where the directory goes when ``TMPDIR`` would make the path too long.
+FALLBACK_DIR = "/tmp"
+#: How many datagrams the receiver still reads once closed: those sent before the end.
+_DRAIN = 1024
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +67,24 @@ def send(name: str, **data: Any) -> None:
     message = json.dumps({**payload, **data}, default=str).encode()
     with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.setblocking(False)
-        sock.sendto(message, "\0" + address)
+        sock.sendto(message, address)
+
+
+def socket_directory() -> str:
+    """A new directory only this user may enter (``mkdtemp`` makes it 0700), in ``TMPDIR``,
+    or in /tmp when ``TMPDIR`` is too deep for a socket's path."""
+    for parent in (None, FALLBACK_DIR):
+        path = tempfile.mkdtemp(prefix="rp-", dir=parent)
+        if len(os.fsencode(os.path.join(path, SOCKET_NAME))) <= MAX_PATH:
+            return path
+        os.rmdir(path)
+    raise OSError(f"no directory for the worker channel: {FALLBACK_DIR} is too deep")
 
 
 class Receiver:
     """The agent's end: hands every valid worker event to ``deliver(name, data)``, every
     heartbeat to ``heartbeat(data)`` and every notice message to ``notice(name, data)``
-    when given (else they are dropped)."""
+    when given (else they are dropped). Its thread ends with ``close``, and only then."""
 
     def __init__(
         self,
@@ -67,22 +92,36 @@ class Receiver:
         heartbeat: Callable[[dict[str, Any]], object] | None = None,
         notice: Callable[[str, dict[str, Any]], object] | None = None,
     ) -> None:
-        self.address = f"rallypoint-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._deliver = deliver
         self._heartbeat = heartbeat
         self._notice = notice
+        #: The directory that holds the socket: the agent's keeper removes it if the agent
+        #: is killed.
+        self.directory = socket_directory()
+        self.address = os.path.join(self.directory, SOCKET_NAME)
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        # An abstract socket has no file mode: any process of the host may send to it.
-        # The kernel names each sender's user (SO_PASSCRED, Linux): only the job's count.
-        self._credentials = hasattr(socket, "SO_PASSCRED")
-        if self._credentials:
-            self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        self._socket.bind("\0" + self.address)
-        self._thread = threading.Thread(target=self._receive, daemon=True)
+        try:
+            # Another user cannot reach the socket (its directory); were it reached, the
+            # kernel names each sender's user (SO_PASSCRED, Linux): only the job's count.
+            self._credentials = hasattr(socket, "SO_PASSCRED")
+            if self._credentials:
+                self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+            self._socket.bind(self.address)
+            self._socket.setblocking(False)
+        except OSError:
+            self._socket.close()
+            shutil.rmtree(self.directory, ignore_errors=True)
+            raise
+        self._closing = threading.Event()
+        self._wake_read, self._wake_write = socket.socketpair()
+        self._thread = threading.Thread(
+            target=self._receive, name="rallypoint-worker-events", daemon=True
+        )
         self._thread.start()
 
     def _read(self) -> tuple[bytes, bool]:
-        """The next datagram, and whether a process of this agent's user sent it."""
+        """The next datagram, and whether a process of this agent's user sent it;
+        ``BlockingIOError`` when there is none."""
         if not self._credentials:
             return self._socket.recv(_MAX), True
         message, ancillary, _, _ = self._socket.recvmsg(_MAX, socket.CMSG_SPACE(_CREDENTIALS.size))
@@ -93,38 +132,61 @@ class Receiver:
         return message, False
 
     def _receive(self) -> None:
-        while True:
-            try:
-                message, ours = self._read()
-            except OSError:
-                return  # closed
-            if not message:
-                return
-            if not ours:
-                continue  # another user's process: never an event of this job
-            try:
-                data = json.loads(message)
-                name = data.pop("event")
-            except (ValueError, KeyError, TypeError, AttributeError):
-                continue
-            if name == HEARTBEAT and self._heartbeat is not None:
+        poller = select.poll()
+        poller.register(self._socket, select.POLLIN)
+        poller.register(self._wake_read, select.POLLIN)
+        failed = False
+        while not self._closing.is_set():
+            poller.poll()  # woken by a datagram, or by close
+            # What was sent before close is still handed on, up to a bound.
+            for _ in range(_DRAIN):
                 try:
-                    self._heartbeat(data)
-                except Exception:  # a malformed heartbeat must not end the receiver
-                    logger.exception("a worker heartbeat could not be handled")
-            elif name in NOTICES and self._notice is not None:
+                    message, ours = self._read()
+                except BlockingIOError:
+                    break
+                except OSError as error:
+                    if self._closing.is_set():
+                        return  # closed under it (a slow handler outlived close's wait)
+                    if not failed:  # never an end: only close ends the thread
+                        logger.warning("reading the workers' events failed: %s", error)
+                    failed = True
+                    self._closing.wait(0.1)  # no busy loop on an error that stays
+                    break
+                if ours:  # before anything else: another user's datagram is never looked at
+                    self._handle(message)
+
+    def _handle(self, message: bytes) -> None:
+        try:
+            data = json.loads(message)
+            name = data.pop("event")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return  # an empty datagram among them
+        if name == HEARTBEAT and self._heartbeat is not None:
+            try:
+                self._heartbeat(data)
+            except Exception:  # a malformed heartbeat must not end the receiver
+                logger.exception("a worker heartbeat could not be handled")
+        elif name in NOTICES and self._notice is not None:
+            try:
                 self._notice(name, data)
-            elif name in WORKER_EVENTS:
-                try:
-                    self._deliver(name, data)
-                except Exception:  # a sink's problem must not end the receiver
-                    logger.exception("delivering worker event %s failed", name)
+            except Exception:  # nor a malformed notice message
+                logger.exception("a worker's notice message could not be handled")
+        elif name in WORKER_EVENTS:
+            try:
+                self._deliver(name, data)
+            except Exception:  # a sink's problem must not end the receiver
+                logger.exception("delivering worker event %s failed", name)
 
     def close(self) -> None:
+        """End the thread (once it handed on what was sent before), then remove the socket
+        and its directory."""
+        if self._closing.is_set():
+            return
+        self._closing.set()
         with contextlib.suppress(OSError):
-            self._socket.shutdown(socket.SHUT_RDWR)
-        # recv on a datagram socket is not woken by shutdown everywhere: send an empty one.
-        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-            s.sendto(b"", "\0" + self.address)
+            self._wake_write.send(b"\0")
         self._thread.join(2)
         self._socket.close()
+        self._wake_read.close()
+        self._wake_write.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
