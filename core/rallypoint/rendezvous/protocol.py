@@ -240,6 +240,9 @@ class StoreRendezvous(RendezvousHandler):
         # liveness key can come after the last node deleted the run's keys.
         if not self._stop_heartbeats():
             self._beat_store.close()  # else the heartbeat thread closes its store as it ends
+        if self.signed is not None:
+            with contextlib.suppress(StoreError):  # said gone before the last node deletes
+                self.signed.end_liveness()
         with contextlib.suppress(StoreError):  # a store that is gone needs telling nothing
             # No retries: leaving must not wait out an outage.
             calls.drive(leave(self.joining, self.hosting), self.store.store)

@@ -204,6 +204,7 @@ class _Shared:
         self.lock = threading.Lock()
         self.said = False
         self.sequence = 0  # the last mark this node wrote
+        self.kept: set[str] = set()  # the heartbeat keys this node keeps, by any connection
         self.floors: set[str] = set()  # the keys whose old mark this process read
         self.watches: dict[str, Watch] = {}
 
@@ -231,7 +232,6 @@ class SignedStore:
         # A heartbeat counter's drop below zero is no proof of anything: a stray can add.
         if isinstance(store, CounterLiveness):
             store.trust_drops = False
-        self._kept: set[str] = set()
 
     @property
     def hosting(self) -> bool | None:
@@ -333,7 +333,8 @@ class SignedStore:
     def keep_alive(self, key: str, ttl: float) -> None:
         self.store.keep_alive(key, ttl)
         self.set(key + ALIVE, str(self._next(key)).encode())
-        self._kept.add(key)
+        with self.shared.lock:
+            self.shared.kept.add(key)
 
     def _next(self, key: str) -> int:
         """The number of this node's next mark: above the last, above what the store held
@@ -424,12 +425,19 @@ class SignedStore:
     def clone(self) -> SignedStore:
         return SignedStore(self.store.clone(), self.shared.run_seal, _shared=self.shared)
 
-    def close(self) -> None:
-        for key in self._kept:
-            # The others see this node gone at once; on an unreachable store its mark
-            # stops rising, and it counts as gone after ttl.
+    def end_liveness(self) -> None:
+        """This node leaves: a sealed ``gone`` on every mark it kept, by any of its
+        connections, once. The others see it gone at once; on an unreachable store its
+        marks stop rising, and it counts as gone after ttl. Before the node's last writes
+        (``protocol.leave``): a mark written after the run's keys were deleted would stay."""
+        with self.shared.lock:
+            kept, self.shared.kept = self.shared.kept, set()
+        for key in kept:
             with contextlib.suppress(StoreError):
                 self.set(key + ALIVE, str(self._next(key)).encode() + _GONE)
+
+    def close(self) -> None:
+        self.end_liveness()
         self.store.close()
 
 
