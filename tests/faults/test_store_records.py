@@ -91,6 +91,8 @@ class Stores:
         if backend.name == "c10d":
             # The store of a c10d job lives in a process; here, this one (agents join it).
             self._raw = _tcpstore(backend.store_port, is_master=True)
+            # Marked as an agent that hosts it marks it: agents join only such a store.
+            self._raw.set(self.keys.host_key, b"the test")
 
     def connect(self) -> CoordinationStore:
         assert self.entry.connect is not None

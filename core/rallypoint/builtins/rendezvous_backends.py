@@ -88,7 +88,7 @@ def _tcpstore(
     # The agent that hosts marks the store as this job's: one that was to host it but
     # finds the port taken joins only a store so marked (``HostMark``).
     keys = Keys(str(request.options.get("prefix") or DEFAULT_PREFIX), request.run_id)
-    mark = HostMark(f"{keys.prefixes[1]}host", request.node.node_id, request.token, flag)
+    mark = HostMark(keys.host_key, request.node.node_id, request.token, flag)
     return TCPStoreClient(
         host, port, is_host=is_host, timeout=float(request.options["read_timeout"]), mark=mark
     )

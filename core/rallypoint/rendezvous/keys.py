@@ -19,6 +19,8 @@ class Keys:
         #: Sealed with the job token by the run's first node (``rendezvous.signing``).
         self.token_key = f"{base}~token"
         self._born = f"{base}~born/"
+        #: Written by the agent that hosts a c10d or static store (``tcpstore.HostMark``).
+        self.host_key = f"{base}~host"
         #: Every key of the run, all generations, starts with one of these.
         self.prefixes = (f"{base}/", f"{base}~")
 
