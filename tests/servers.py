@@ -358,7 +358,7 @@ def process_alive(pid: int) -> bool:
         return False
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # reaped between the two (ESRCH)
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
