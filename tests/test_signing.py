@@ -121,44 +121,85 @@ def test_every_attempt_has_its_own_seal() -> None:
     assert second.get("/rallypoint/job/failed") is None
 
 
-@pytest.mark.parametrize("copied", ["failed", "closed", "join"])
-def test_records_copied_from_an_earlier_attempt_are_ignored(copied: str) -> None:
-    """Attempt 1 (nodes a and b) ends in a failure; every record of it is copied into the
-    store of attempt 2 (nodes c and d), as a stray that read attempt 1's store would: the
-    failure stops nobody, the old round is nobody's, and a phantom join adds no member.
-    Before attempts were bound into the seals, each of these was accepted."""
+def old_attempt() -> tuple[Keys, dict[str, bytes]]:
+    """The store of an earlier attempt (nodes a and b, one round, then a failure), as a
+    stray that read it keeps it."""
     old = MemoryStore()
     nodes = [node(old, name, TOKEN) for name in "ab"]
     try:
         in_threads([n.next_round for n in nodes])
         nodes[0].fail("the loss went to nan")
-        keys = nodes[0].keys
-        kept = {
-            "failed": [keys.failed()],
-            "closed": [keys.of_round(0, "closed")],
-            "join": [keys.of_round(0, "node", 1), keys.of_round(0, "node", 2)],
-        }[copied]
-        records_ = {key: old.get(key) for key in kept}
     finally:
         for n in nodes:
             n.close()
-    new = MemoryStore()
-    stray = new.clone()
-    for key, raw in records_.items():
-        assert raw is not None
-        stray.set(key, raw)
-    if copied == "join":
-        stray.add(keys.of_round(0, "joined"), 2)
-    nodes = [node(new, name, TOKEN, close_timeout=0.5) for name in "cd"]
+    keys = nodes[0].keys
+    names = [keys.failed(), keys.of_round(0, "closed"), keys.of_round(0, "node", 2)]
+    found = {name: old.get(name) for name in names}
+    assert all(found.values()), found
+    return keys, found  # type: ignore[return-value]
+
+
+def test_a_failure_copied_from_an_earlier_attempt_stops_nobody() -> None:
+    """Attempt 2 (nodes c and d) trains; a stray writes attempt 1's failure into its store
+    and a worker failure makes a new round. Before attempts were bound into the seals,
+    every node stopped with "the job failed on node a: the loss went to nan"."""
+    keys, old = old_attempt()
+    store = MemoryStore()
+    nodes = [node(store, name, TOKEN) for name in "cd"]
+    try:
+        in_threads([n.next_round for n in nodes])
+        store.clone().set(keys.failed(), old[keys.failed()])
+        nodes[0].request_new_round()
+        results = in_threads([n.next_round for n in nodes])
+    finally:
+        for n in nodes:
+            n.close()
+    assert all(isinstance(r, Assignment) for r in results), results
+    assert {(r.info.round, tuple(sorted(r.info.members))) for r in results} == {(1, ("c", "d"))}
+
+
+def test_a_round_copied_from_an_earlier_attempt_is_nobodys() -> None:
+    """Attempt 1's round record, written into attempt 2's store before its nodes come:
+    they form round 0 themselves (before: they took it for a round that had closed
+    without them, and went on to round 1)."""
+    keys, old = old_attempt()
+    store = MemoryStore()
+    store.clone().set(keys.of_round(0, "closed"), old[keys.of_round(0, "closed")])
+    nodes = [node(store, name, TOKEN) for name in "cd"]
     try:
         results = in_threads([n.next_round for n in nodes])
     finally:
         for n in nodes:
             n.close()
     assert all(isinstance(r, Assignment) for r in results), results
-    assert {tuple(sorted(r.info.members)) for r in results} == {("c", "d")}
-    if copied != "join":  # join numbers a stray took cost a round close_timeout, no more
-        assert {r.info.round for r in results} == {0}
+    assert {(r.info.round, tuple(sorted(r.info.members))) for r in results} == {(0, ("c", "d"))}
+
+
+def test_a_join_copied_from_an_earlier_attempt_adds_no_member() -> None:
+    """Node c leads round 0 of attempt 2; a stray takes join number 2 and writes node b's
+    record of attempt 1 there, then d joins: the round forms with c and d (before: with
+    b too, a phantom member whose workers never come)."""
+    keys, old = old_attempt()
+    store = MemoryStore()
+    stray = store.clone()
+    c = node(store, "c", TOKEN)
+    d = node(store, "d", TOKEN)
+    results: list[object] = []
+    try:
+        leading = threading.Thread(target=lambda: results.append(_swallow(c.next_round)))
+        leading.start()
+        deadline = time.monotonic() + 10
+        while store.get(keys.of_round(0, "node", 1)) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stray.add(keys.of_round(0, "joined"), 1) == 2
+        stray.set(keys.of_round(0, "node", 2), old[keys.of_round(0, "node", 2)])
+        results += in_threads([d.next_round])
+        leading.join(60)
+    finally:
+        c.close()
+        d.close()
+    assert all(isinstance(r, Assignment) for r in results), results
+    assert {tuple(sorted(r.info.members)) for r in results} == {("c", "d")}  # type: ignore[attr-defined]
 
 
 def test_an_older_state_or_generation_written_back_takes_no_node_back() -> None:
