@@ -44,7 +44,9 @@ CHECKPOINT_LOADED = "checkpoint_loaded"
 #: ``step``, ``seconds``, ``bytes``, ``url``.
 CHECKPOINT_PERSISTED = "checkpoint_persisted"
 #: The agent refused a checkpoint transfer that did not prove the job's token
-#: (``--rdzv-conf token_file``): ``peer`` (its address), ``reason``.
+#: (``--rdzv-conf token_file``) or was unsafe (a file name that is a path, files that fail
+#: their MAC), or a worker skipped a checkpoint whose manifest names a path: ``peer`` (its
+#: address, or the checkpoint directory's URL), ``reason``.
 PEER_REFUSED = "peer_refused"
 
 
