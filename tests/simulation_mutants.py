@@ -50,7 +50,7 @@ MUTANTS = (
         "rallypoint.rendezvous.liveness",
         (("        return self.clock() < self._grace_until", "        return True"),),
         "a node that stopped renewing its liveness (frozen, killed) still counts as alive",
-        1,
+        13,
     ),
     Mutant(
         "waiting-round-leader-ends-the-job-s-round",
@@ -58,7 +58,7 @@ MUTANTS = (
         (("            if round_ > (yield from job_round(keys)):", "            if False:"),),
         "the leader of a round the job has yet to reach dies; a node waiting there ends "
         "it as though the job were in it (seed 241: a second job beside the running one)",
-        127,
+        167,
     ),
     Mutant(
         "min-counted-by-join-number",
@@ -66,7 +66,7 @@ MUTANTS = (
         (("            if recorded or count >= target or short:", "            if recorded:"),),
         "the leader waits for join number MIN's record, which a join retried after a lost "
         "reply never writes (seed 325): the round waits until join_timeout",
-        11,
+        21,
     ),
     Mutant(
         "leaderless-round-waited-for",
@@ -79,7 +79,7 @@ MUTANTS = (
         ),
         "join number 1 is never recorded (a lost reply, seed 95): the others wait for a "
         "leader that does not exist",
-        3,
+        21,
     ),
     Mutant(
         "heartbeat-failure-ignored-while-joining",

@@ -45,8 +45,8 @@ Alive = Callable[[str], Steps[bool]]
 
 def ahead(marker: Callable[[int], str], hint: int) -> Steps[int]:
     """The last ``n >= hint`` such that the markers of ``hint + 1 .. n`` all exist: where a
-    run really is when its hint says ``hint`` (markers are written once, each after the
-    hint it follows; a gap ends them)."""
+    run really is when its hint says ``hint`` (markers are written once, in order: a gap
+    ends them)."""
     n = hint
     while True:
         found = yield from calls.get_many([marker(n + i) for i in range(1, AHEAD + 1)])
@@ -57,9 +57,12 @@ def ahead(marker: Callable[[int], str], hint: int) -> Steps[int]:
 
 
 def current(keys: Keys) -> Steps[Keys]:
-    """The run's keys in its current generation."""
-    raw = yield from calls.get(keys.generation_key)
+    """The run's keys in its current generation: the hint and the first marker after it
+    in one read (almost every run stays in generation 0), then any markers after those."""
+    raw, born = yield from calls.get_many([keys.generation_key, keys.born(1)])
     hint = records.decode_int(keys.generation_key, raw) if raw else 0
+    if hint == 0 and born is None:
+        return keys
     return keys.at((yield from ahead(keys.born, hint)))
 
 
@@ -116,7 +119,12 @@ def job_round(keys: Keys) -> Steps[int]:
     """The job's round: the state key's (0 while it is absent: a new job writes nothing
     there until its first round ends, so that when a thousand nodes start at once none of
     them has to create it), or later where the rounds after it have opened (``ahead``)."""
-    state = records.decode_state(keys.state(), (yield from calls.get(keys.state())))
+    raw = yield from calls.get(keys.state())
+    if raw is None:
+        # A stray can write back an older state, never an absent one (that takes deleting
+        # it, which breaks a run anyway): round 0, without a read more.
+        return 0
+    state = records.decode_state(keys.state(), raw)
     return (yield from ahead(lambda r: keys.of_round(r, "open"), state))
 
 

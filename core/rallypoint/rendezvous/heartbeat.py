@@ -40,7 +40,9 @@ class Heartbeat:
         """Beat until ``stopped()``."""
         node = self.node
         ttl = node.settings.heartbeat_timeout
-        next_beat = 0.0
+        # The node renewed its liveness just before it started this (``_start_heartbeats``):
+        # the first beat is a third of a ttl after that, not a second renewal at once.
+        next_beat = node.kept_at + ttl / 3
         kept: float | None = None  # when this node last renewed its liveness
         progress: tuple[float, float] | None = None  # (join deadline, next progress line)
         while not stopped():

@@ -205,7 +205,6 @@ class _Shared:
         self.said = False
         self.sequence = 0  # the last mark this node wrote
         self.kept: set[str] = set()  # the heartbeat keys this node keeps, by any connection
-        self.floors: set[str] = set()  # the keys whose old mark this process read
         self.watches: dict[str, Watch] = {}
 
 
@@ -337,17 +336,13 @@ class SignedStore:
             self.shared.kept.add(key)
 
     def _next(self, key: str) -> int:
-        """The number of this node's next mark: above the last, above what the store held
-        when this process first kept ``key`` (an agent restarted under the same node id),
-        and the wall clock's microseconds, so that a restart after a clock step back
-        still rises above its own old marks in most cases; only ever a rising number."""
-        floor = 0
-        if key not in self.shared.floors:
-            old = _mark(self.get(key + ALIVE))
-            floor = old[0] if old else 0
+        """The number of this node's next mark: above the last, and at least the wall
+        clock's microseconds. A node id is an agent process's own (host, pid, a random
+        part), so no earlier mark under ``key`` can be higher but after a clock step back
+        between two agents of one id; reading the old mark to be sure would cost every
+        node's first renewal a request."""
         with self.shared.lock:
-            self.shared.floors.add(key)
-            number = max(self.shared.sequence + 1, floor + 1, time.time_ns() // 1000)
+            number = max(self.shared.sequence + 1, time.time_ns() // 1000)
             self.shared.sequence = number
             return number
 
