@@ -73,7 +73,15 @@ def steps(text: str, world: int) -> list[int]:
 def wait_for_steps(log: Path, world: int, count: int, since: int = 0, timeout: float = 90) -> None:
     deadline = time.monotonic() + timeout
     while len(steps(log.read_text()[since:], world)) < count:
-        assert time.monotonic() < deadline, f"no {count} steps at world {world}:\n{log.read_text()}"
+        if time.monotonic() >= deadline:
+            # Every agent's log of the job, not only the one waited on: what the others
+            # did is what kept this one from its steps.
+            others = "".join(
+                f"\n--- {other.name}:\n{other.read_text()}"
+                for other in sorted(log.parent.glob("*.log"))
+                if other != log
+            )
+            raise AssertionError(f"no {count} steps at world {world}:\n{log.read_text()}{others}")
         time.sleep(0.05)
 
 
