@@ -37,6 +37,10 @@ WAIT_SLICE = 1.0
 #: How long an agent that was to host the store, and found its port taken, waits for the
 #: mark of the agent that hosts it (``HostMark``): it writes it as it starts the store.
 HOST_MARK_WAIT = 5.0
+#: How long it may take to connect to what listens there first: torch's client looks the
+#: host up in DNS on every connect (a resolver's timeout is 5 s), and a loaded host is
+#: slower still; a listener that is no TCPStore never answers and costs this much.
+HOST_CONNECT_WAIT = 20.0
 #: What ``get`` compares keys with: no rendezvous record or counter is ever this value.
 _READ = b"\x00rallypoint: read, do not write\x00"
 
@@ -157,19 +161,19 @@ class TCPStoreClient(CounterLiveness):
         )
         # torch's client waits for a listener's answer with no bound: one that is no
         # TCPStore may never give it. So it connects in a thread of its own, given up on
-        # (left behind, a daemon) after HOST_MARK_WAIT seconds.
+        # (left behind, a daemon) after HOST_CONNECT_WAIT seconds.
         connected: dict[str, Any] = {}
-        deadline = time.monotonic() + HOST_MARK_WAIT
 
         def connect() -> None:
             try:
-                connected["store"] = self._connect(self.host, port, False, HOST_MARK_WAIT)
+                connected["store"] = self._connect(self.host, port, False, HOST_CONNECT_WAIT)
             except (RuntimeError, self._dist.DistStoreError) as error:
                 connected["error"] = error
 
         thread = threading.Thread(target=connect, name="rallypoint-store-probe", daemon=True)
         thread.start()
-        thread.join(HOST_MARK_WAIT)  # the same bound as the mark's, all in all
+        thread.join(HOST_CONNECT_WAIT)
+        deadline = time.monotonic() + HOST_MARK_WAIT
         if "store" not in connected:
             error = connected.get("error")
             why = "no answer" if error is None else _first_line(error)
