@@ -33,10 +33,9 @@ def read_status(
     store with leases or expiring keys (etcd, Redis) answers at once.
     """
     keys = current_generation(store, keys)
-    raw_state = store.get(keys.state())
-    if raw_state is None and not has_records(store, keys):
+    round_ = calls.drive(job_round(keys), store)  # 0 where it has no state
+    if round_ == 0 and not has_records(store, keys):
         return {"run_id": run_id, "round": None, "members": [], "waiting": 0, "condition": None}
-    round_ = calls.drive(job_round(keys), store)
     closed_key = keys.of_round(round_, "closed")
     raw_closed = store.get(closed_key)
     if raw_closed is None and round_ > 0:
