@@ -350,6 +350,17 @@ class PrometheusServer(ServerProcess):
         return last
 
 
+def recv_exactly(sock: socket.socket, size: int) -> bytes:
+    """The next ``size`` bytes of ``sock``; ConnectionError if it closes first."""
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError("closed")
+        data += chunk
+    return data
+
+
 def process_alive(pid: int) -> bool:
     """Whether ``pid`` runs; a zombie awaiting its reaper counts as gone."""
     try:

@@ -31,6 +31,7 @@ from rallypoint.checkpoint.tier import Held, Tier
 from rallypoint.config import TOKEN_ENV, job_token
 from rallypoint.errors import UsageError
 from rallypoint.worker.channel import Receiver
+from servers import recv_exactly
 
 TOKEN = b"the job's secret"
 
@@ -234,19 +235,9 @@ def same_crc(data: bytes, at: int) -> bytes:
     return bytes(forged)
 
 
-def _exactly(sock: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        if not chunk:
-            raise ConnectionError("closed")
-        data += chunk
-    return data
-
-
 def _frame(sock: socket.socket) -> bytes:
-    head = _exactly(sock, 4)
-    return head + _exactly(sock, struct.unpack(">I", head)[0])
+    head = recv_exactly(sock, 4)
+    return head + recv_exactly(sock, struct.unpack(">I", head)[0])
 
 
 def _pump(source: socket.socket, target: socket.socket) -> None:
@@ -273,7 +264,7 @@ def man_in_the_middle(port: int, upstream: bool) -> Iterator[str]:
             manifest = _frame(source)
             target.sendall(manifest)
             [entry, *_] = json.loads(manifest[4:])["files"].values()
-            target.sendall(same_crc(_exactly(source, entry["size"]), 100))
+            target.sendall(same_crc(recv_exactly(source, entry["size"]), 100))
             _pump(source, target)
             back.join(10)
 

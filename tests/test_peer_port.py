@@ -35,6 +35,7 @@ from rallypoint.checkpoint import manifest as mf
 from rallypoint.checkpoint.tier import Held, Tier
 from rallypoint.interfaces import CheckpointError
 from rallypoint.worker import channel
+from servers import recv_exactly
 
 TOKEN = b"the job's secret"
 FUZZ = settings(
@@ -380,20 +381,8 @@ HELLO = {"nonce": "0" * 32, "token": False, "version": peer_wire.VERSION}
 
 
 def read_frame(sock: socket.socket) -> bytes:
-    head = b""
-    while len(head) < 4:
-        chunk = sock.recv(4 - len(head))
-        if not chunk:
-            raise ConnectionError("closed")
-        head += chunk
-    (size,) = struct.unpack(">I", head)
-    body = b""
-    while len(body) < size:
-        chunk = sock.recv(size - len(body))
-        if not chunk:
-            raise ConnectionError("closed")
-        body += chunk
-    return body
+    (size,) = struct.unpack(">I", recv_exactly(sock, 4))
+    return recv_exactly(sock, size)
 
 
 def test_a_client_refuses_an_answer_over_its_bound_unread(tmp_path: Path) -> None:

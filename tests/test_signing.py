@@ -154,8 +154,7 @@ def test_a_failure_copied_from_an_earlier_attempt_stops_nobody() -> None:
     finally:
         for n in nodes:
             n.close()
-    assert all(isinstance(r, Assignment) for r in results), results
-    assert {(r.info.round, tuple(sorted(r.info.members))) for r in results} == {(1, ("c", "d"))}
+    assert formed(results) == {(1, ("c", "d"))}
 
 
 def test_a_round_copied_from_an_earlier_attempt_is_nobodys() -> None:
@@ -171,8 +170,7 @@ def test_a_round_copied_from_an_earlier_attempt_is_nobodys() -> None:
     finally:
         for n in nodes:
             n.close()
-    assert all(isinstance(r, Assignment) for r in results), results
-    assert {(r.info.round, tuple(sorted(r.info.members))) for r in results} == {(0, ("c", "d"))}
+    assert formed(results) == {(0, ("c", "d"))}
 
 
 def test_a_join_copied_from_an_earlier_attempt_adds_no_member() -> None:
@@ -198,8 +196,7 @@ def test_a_join_copied_from_an_earlier_attempt_adds_no_member() -> None:
     finally:
         c.close()
         d.close()
-    assert all(isinstance(r, Assignment) for r in results), results
-    assert {tuple(sorted(r.info.members)) for r in results} == {("c", "d")}  # type: ignore[attr-defined]
+    assert {members for _, members in formed(results)} == {("c", "d")}
 
 
 def test_an_older_state_or_generation_written_back_takes_no_node_back() -> None:
@@ -492,6 +489,12 @@ def test_the_strays_join_record_and_marks_take_no_part_in_a_round() -> None:
 
 
 # --- helpers ---------------------------------------------------------------------------------
+
+
+def formed(results: list[object]) -> set[tuple[int, tuple[str, ...]]]:
+    """The rounds ``results`` are assignments to, and their members; each must be one."""
+    assert all(isinstance(r, Assignment) for r in results), results
+    return {(r.info.round, tuple(sorted(r.info.members))) for r in results}  # type: ignore[attr-defined]
 
 
 def in_threads(calls_: list[object]) -> list[Assignment]:
