@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from rallypoint.checkpoint import arena, copying, slot, tree
+from rallypoint.checkpoint import arena, copying, loading, slot, tree
 from rallypoint.checkpoint.copies import Copies
 from rallypoint.checkpoint.manifest import Damaged
 from rallypoint.interfaces import CheckpointError
@@ -72,7 +72,7 @@ def same(a: Any, b: Any) -> bool:
 def loaded(memory: Path, step: int | None = None, **options: Any) -> Any:
     copies = Copies(memory / slot.ARENA).newest()
     copy = copies[0] if step is None else next(c for c in copies if c.step == step)
-    return arena.load_copy(copy, **options)
+    return loading.load_copy(copy, **options)
 
 
 def test_a_state_round_trips_through_a_slot(tmp_path: Path) -> None:

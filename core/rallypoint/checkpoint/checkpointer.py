@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rallypoint import events
-from rallypoint.checkpoint import arena, slot
+from rallypoint.checkpoint import arena, loading, slot
 from rallypoint.checkpoint import manifest as mf
 from rallypoint.checkpoint.copies import FILE, FORMAT, SHARDED, Copies
 from rallypoint.checkpoint.copying import Staging
@@ -473,7 +473,7 @@ class Checkpointer:
 
                 def load(copy: slot.Copy = copy) -> tuple[Any, int, int]:
                     try:
-                        state = arena.load_copy(copy, **options)
+                        state = loading.load_copy(copy, **options)
                     except slot.Busy:
                         raise mf.Damaged("written over while it was read") from None
                     return state, copy.record.world_size, copy.record.size
@@ -647,7 +647,7 @@ def _load_slot_file(
     verified = _verified_file(tier, name, manifest, FILE.format(rank=0))
     with verified as (path, entry), open(path, "rb") as handle:
         record, _ = slot.read(handle)
-        return arena.load_file(handle.fileno(), record, path, **options), entry.size
+        return loading.load_file(handle.fileno(), record, path, **options), entry.size
 
 
 @contextlib.contextmanager

@@ -167,17 +167,17 @@ class _Files:
 
     def __init__(self) -> None:
         self.opened: dict[Path, int] = {}
-        self.mapped: dict[Path, Any] = {}  # arena.PinnedFile
+        self.mapped: dict[Path, Any] = {}  # loading.PinnedFile
 
     def read(self, path: Path, start: int, tensor: Any) -> None:
-        from rallypoint.checkpoint.arena import read_into
+        from rallypoint.checkpoint.loading import read_into
 
         if path not in self.opened:
             self.opened[path] = os.open(path, os.O_RDONLY)
         read_into(self.opened[path], tensor, start)
 
     def pinned(self, path: Path) -> Any:
-        from rallypoint.checkpoint.arena import PinnedFile
+        from rallypoint.checkpoint.loading import PinnedFile
 
         if path not in self.mapped:
             self.mapped[path] = PinnedFile(path, path.stat().st_size)
