@@ -14,6 +14,7 @@ it where a load needs it.
 from __future__ import annotations
 
 import io
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -113,15 +114,15 @@ class SlotReader(StorageReader):
         return plans
 
     def read_data(self, plan: Any, planner: Any) -> Any:
-        """Each item's bytes into its tensor: a CPU tensor that takes a saved part whole
-        gets it read straight into it (one copy, by the kernel); a CUDA one from the file
-        mapped and pinned (a DMA), as a whole state's load does; any other through a
-        tensor the part is read into first."""
+        """Each item's bytes into its tensor, reading of a saved part only the rows along
+        dim 0 that the item crosses (a rank reads its share, not every rank's): a contiguous
+        CPU tensor of the same dtype that takes a part whole gets it read straight into it
+        (one copy, by the kernel); any other takes those rows (on the CPU, or on its GPU
+        through ``loading``'s bounce buffer) narrowed along the other dims."""
         import torch
-        from torch.distributed._shard._utils import narrow_tensor_by_index
         from torch.distributed.checkpoint.planner import LoadItemType
 
-        files = _Files()
+        reads = _Reads()
         loaded = []
         try:
             for item in plan.items:
@@ -136,58 +137,95 @@ class SlotReader(StorageReader):
                 if chunk is None:
                     where = tuple(item.storage_index.offset or ())
                     raise Damaged(f"no copy holds {fqn} at {where}")
-                entry, dtype = chunk.entry, _dtype(chunk.entry)
                 target = planner.resolve_tensor(item).detach()
-                whole = list(item.lengths) == list(entry.shape) and not any(item.storage_offsets)
-                if target.is_cuda:
-                    saved = files.pinned(chunk.path).view(chunk.start, entry)
-                    part = narrow_tensor_by_index(saved, item.storage_offsets, item.lengths)
-                    target.copy_(part, non_blocking=True)
-                elif whole and target.dtype == dtype and target.is_contiguous():
-                    files.read(chunk.path, chunk.start, target)
-                else:
-                    saved = torch.empty(entry.shape, dtype=dtype)
-                    files.read(chunk.path, chunk.start, saved)
-                    target.copy_(narrow_tensor_by_index(saved, item.storage_offsets, item.lengths))
+                reads.part(chunk, list(item.storage_offsets), list(item.lengths), target)
                 loaded.append((item, target))
-            if files.mapped:  # every DMA from the mappings is done before they go
-                torch.cuda.synchronize()
+            reads.to_devices()
             for item, target in loaded:
                 planner.commit_tensor(item, target)
         finally:
-            files.close()
+            reads.close()
         done: Any = torch.futures.Future()
         done.set_result(None)
         return done
 
 
-class _Files:
-    """The files one ``read_data`` reads: each opened once for all of its parts, and
-    mapped and pinned once if a part goes to a GPU."""
+class _Reads:
+    """The parts one ``read_data`` reads: each file opened once, read-only, for all of its
+    parts; the parts for a GPU gathered, so that a file's go through the bounce buffer
+    together (``to_devices``)."""
 
     def __init__(self) -> None:
         self.opened: dict[Path, int] = {}
-        self.mapped: dict[Path, Any] = {}  # loading.PinnedFile
+        self.staged: dict[tuple[Path, Any], list[tuple[int, Any]]] = {}
+        self.narrowed: list[tuple[Any, Any, list[int], list[int]]] = []
 
-    def read(self, path: Path, start: int, tensor: Any) -> None:
+    def part(self, chunk: _Chunk, offsets: list[int], lengths: list[int], target: Any) -> None:
+        """The part of ``chunk`` at ``offsets`` of ``lengths`` into ``target``: at once on
+        the CPU, by ``to_devices`` on a GPU."""
+        import torch
+        from torch.distributed._shard._utils import narrow_tensor_by_index
+
+        entry, dtype = chunk.entry, _dtype(chunk.entry)
+        whole = lengths == list(entry.shape) and not any(offsets)
+        if whole and target.dtype == dtype and target.is_contiguous():
+            self._read(chunk.path, chunk.start, target)
+            return
+        start, _, shape = rows(entry.shape, dtype.itemsize, offsets, lengths)
+        held = torch.empty(shape, dtype=dtype, device=target.device if target.is_cuda else "cpu")
+        self._read(chunk.path, chunk.start + start, held)
+        inner = [0, *offsets[1:]]
+        if target.is_cuda:
+            self.narrowed.append((target, held, inner, lengths))
+        else:
+            target.copy_(narrow_tensor_by_index(held, inner, lengths))
+
+    def to_devices(self) -> None:
+        """The parts for GPUs: each file's for each device through the bounce buffer, then
+        narrowed on the device, all on its current stream (``loading``: the caller's next
+        work there comes after them, and nothing here waits)."""
+        from rallypoint.checkpoint.loading import to_device
+
+        for (path, device), spans in self.staged.items():
+            to_device(self.opened[path], spans, device)
+        self._narrow()
+
+    def _read(self, path: Path, offset: int, tensor: Any) -> None:
         from rallypoint.checkpoint.loading import read_into
 
         if path not in self.opened:
             self.opened[path] = os.open(path, os.O_RDONLY)
-        read_into(self.opened[path], tensor, start)
+        if tensor.is_cuda:
+            self.staged.setdefault((path, tensor.device), []).append((offset, tensor))
+        elif tensor.numel():
+            read_into(self.opened[path], tensor, offset)
 
-    def pinned(self, path: Path) -> Any:
-        from rallypoint.checkpoint.loading import PinnedFile
+    def _narrow(self) -> None:
+        import torch
+        from torch.distributed._shard._utils import narrow_tensor_by_index
 
-        if path not in self.mapped:
-            self.mapped[path] = PinnedFile(path, path.stat().st_size)
-        return self.mapped[path]
+        for target, held, offsets, lengths in self.narrowed:
+            # on the device's current stream, after the copies into ``held``
+            with torch.cuda.device(target.device):
+                target.copy_(narrow_tensor_by_index(held, offsets, lengths))
+        self.narrowed = []
 
     def close(self) -> None:
-        for pinned in self.mapped.values():
-            pinned.close()
         for fd in self.opened.values():
             os.close(fd)
+
+
+def rows(
+    shape: Sequence[int], itemsize: int, offsets: Sequence[int], lengths: Sequence[int]
+) -> tuple[int, int, tuple[int, ...]]:
+    """Where the part at ``offsets`` of ``lengths`` lies in a C-contiguous tensor of
+    ``shape``: the rows along dim 0 that it crosses, as their byte offset and byte count in
+    the tensor's bytes, and their shape. Rows next to each other are contiguous; the part is
+    those rows narrowed along the other dims."""
+    if not shape:
+        return 0, itemsize, ()
+    row = itemsize * math.prod(shape[1:])
+    return offsets[0] * row, lengths[0] * row, (lengths[0], *shape[1:])
 
 
 def _dtype(entry: slot.Tensor) -> Any:
