@@ -232,11 +232,13 @@ def test_holding_a_copy_written_over_meanwhile_is_refused(tmp_path: Path) -> Non
 
 @pytest.fixture
 def gate(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """Holds every copy of the arena's copier until the test sets it."""
+    """Holds every asynchronous copy of the arena's copier until the test sets it."""
     opened = threading.Event()
     finish = copying.Copier._finish
     monkeypatch.setattr(
-        copying.Copier, "_finish", lambda self, copy: (opened.wait(30), finish(self, copy))
+        copying.Copier,
+        "_finish",
+        lambda self, copy: (copy.asynchronous and opened.wait(30), finish(self, copy)),
     )
     return opened
 
@@ -247,6 +249,8 @@ def test_an_asynchronous_save_holds_the_optimizer_s_step_until_it_is_copied(
     model = torch.nn.Linear(64, 64)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     memory = arena.Arena(tmp_path, 0)
+    model(torch.randn(2, 64)).sum().backward()
+    optimizer.step()  # seen by the hook: the next saves' copies run while the loop goes on
     before = collections.OrderedDict((k, v.clone()) for k, v in model.state_dict().items())
     memory.save(model.state_dict(), 1, rank=0, world_size=1, asynchronous=True)
     model(torch.randn(2, 64)).sum().backward()
@@ -263,8 +267,13 @@ def test_an_asynchronous_save_holds_the_optimizer_s_step_until_it_is_copied(
 
 
 def test_an_asynchronous_copy_whose_tensor_changed_is_not_kept(
-    tmp_path: Path, gate: threading.Event, caplog: pytest.LogCaptureFixture
+    tmp_path: Path,
+    gate: threading.Event,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(copying._hooks, "seen_step", True)  # the copy runs in the thread
+    monkeypatch.setattr(copying._hooks, "hidden", False)
     memory = arena.Arena(tmp_path, 0)
     state = {"running_mean": torch.zeros(8)}
     memory.save(state, 1, rank=0, world_size=1)
@@ -391,3 +400,30 @@ def test_without_room_for_a_third_slot_a_save_waits_for_the_reader(
     assert [c.step for c in copies.newest()] == [3, 2]
     assert "room for 3 copies per worker that saves" in caplog.text
     memory.close()
+
+
+FULL = """
+import sys, torch
+from rallypoint.checkpoint import arena
+from rallypoint.interfaces import CheckpointError
+try:
+    arena.Arena(sys.argv[1], 0).save({"w": torch.ones(2 << 20)}, 1, rank=0, world_size=1)
+except CheckpointError as error:
+    print(error)
+"""
+
+
+def test_a_full_shared_memory_fails_the_save_with_a_sentence_not_sigbus(tmp_path: Path) -> None:
+    """A slot's space is reserved when it is made: in a 4 MB tmpfs (its own mount
+    namespace) an 8 MB save says so, where a sparse slot would SIGBUS at its first write."""
+    small = tmp_path / "shm"
+    small.mkdir()
+    done = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+         'mount -t tmpfs -o size=4m tmpfs "$1" && exec "$2" -c "$3" "$1"', "-",
+         str(small), sys.executable, FULL],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "cannot reserve 10 MB of shared memory for the memory checkpoint slot" in done.stdout
+    assert "No space left on device" in done.stdout

@@ -12,8 +12,8 @@ The tensors are copied by ``rallypoint.checkpoint.copying``: a CUDA tensor by th
 copy engine into the pinned slot, a CPU tensor with one ``copy_``. A synchronous save (the
 default) returns once the copy is complete and committed: a worker killed right after it
 loses nothing. An asynchronous save returns at once and is committed when its copy is
-done, by a thread; every optimizer's next ``step`` waits for the copy first. A worker
-killed before the commit loses that save, never the one before.
+done, by a thread; the loop's next change of the state runs after the copy (``copying``
+says how). A worker killed before the commit loses that save, never the one before.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rallypoint.checkpoint import slot, tree
-from rallypoint.checkpoint.copying import Copier, Copy, cuda
+from rallypoint.checkpoint import copying, pinning, slot, tree
+from rallypoint.checkpoint.copying import Copier, Copy
 from rallypoint.interfaces import CheckpointError
 
 logger = logging.getLogger("rallypoint.checkpoint")
@@ -65,7 +65,7 @@ class _Mapped:
         self.size = 0
         self.mm: mmap.mmap | None = None
         self.buffer: Any = None  # a uint8 tensor over the mapping
-        self.pinned = False
+        self.pinned: Any = None  # the device it was pinned from
         self._map()
 
     def _map(self) -> None:
@@ -84,31 +84,30 @@ class _Mapped:
             self.mm = None
 
     def grow(self, size: int) -> None:
-        """Make the file (and the mapping) ``size`` bytes long."""
+        """Make the file (and the mapping) ``size`` bytes long, its space reserved."""
         pinned = self.pinned
         self._unmap()
-        os.ftruncate(self.fd, size)
-        self._map()
-        if pinned:
-            self.pin()
+        try:
+            reserve(self.fd, size, self.path)
+        finally:  # grown or not, mapped (and pinned) again as the file now is
+            self._map()
+            if pinned is not None:
+                self.pin(pinned)
 
-    def pin(self) -> None:
-        """Page-lock the mapping for the GPU's copy engine (``cudaHostRegister``)."""
-
-        if self.pinned or not self.size:
+    def pin(self, device: Any) -> None:
+        """Page-lock the mapping for the GPU's copy engine, once for the life of the
+        arena (``pinning``: on ``device``, portable to the others)."""
+        if self.pinned is not None or not self.size:
             return
-        code = int(cuda().cudart().cudaHostRegister(self.buffer.data_ptr(), self.size, 0))
-        if code != 0:
-            raise CheckpointError(
-                f"cannot pin the memory checkpoint slot {self.path} for the GPU "
-                f"(cudaHostRegister error {code}): is the memory lock limit (ulimit -l) too low?"
-            )
-        self.pinned = True
+        pinning.register(
+            self.buffer.data_ptr(), self.size, device, f"memory checkpoint slot {self.path}"
+        )
+        self.pinned = device
 
     def unpin(self) -> None:
-        if self.pinned:
-            cuda().cudart().cudaHostUnregister(self.buffer.data_ptr())
-            self.pinned = False
+        if self.pinned is not None:
+            pinning.unregister(self.buffer.data_ptr(), self.pinned)
+            self.pinned = None
 
     def lock(self) -> bool:
         """Take the slot for writing, unless a reader holds it."""
@@ -217,8 +216,9 @@ class Arena:
         try:
             mapped.write(0, record.pack(header))  # the copy this slot held is gone from here
             mapped.write(slot.PAGE, header)
-            if any(t.is_cuda for t in tensors):
-                mapped.pin()
+            gpu = next((t.device for t in tensors if t.is_cuda), None)
+            if gpu is not None:
+                mapped.pin(gpu)
         except BaseException:
             mapped.unlock()
             raise
@@ -327,7 +327,10 @@ class Arena:
         path = self.folder / f"{slot.PREFIX}{index}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, _rounded(size))
+            reserve(fd, _rounded(size), path)
+        except BaseException:
+            os.unlink(path)
+            raise
         finally:
             os.close(fd)
         mapped = self._mapped[path] = _Mapped(path)
@@ -365,13 +368,58 @@ class Arena:
             f"{self.keep + 2} times the size of one checkpoint per worker that saves"
         )
 
+    def close_at_exit(self) -> None:
+        """``close``, unless a copy is still in flight (the exit's wait ran out): its DMA
+        may still write into the slot, which stays mapped until the process is gone."""
+        if not self._copier.in_flight():
+            self.close()
+
     def close(self) -> None:
-        """Unmap and unpin every slot (the files stay: the agent's)."""
+        """Unpin and unmap every slot (the files stay: the agent's)."""
         with contextlib.suppress(CheckpointError):
             self.wait()
         for mapped in self._mapped.values():
             mapped.close()
         self._mapped.clear()
+
+
+_ARENAS: dict[Path, Arena] = {}
+
+
+def for_process(
+    memory: Path,
+    local_rank: int,
+    keep: int = 1,
+    budget: int | None = None,
+    saved: Callable[[Saved], object] = lambda _saved: None,
+) -> Arena:
+    """This process's one arena for ``local_rank``: every ``Checkpointer`` shares it (DCP
+    users make one per save, through ``RallypointWriter``), so each slot is mapped and
+    pinned once, not once per save. It closes at the interpreter's exit, after the saves
+    in flight (``copying.at_exit``): unpinned before unmapped, so that no registration
+    outlives its mapping."""
+    folder = (Path(memory) / slot.ARENA / f"local-{local_rank}").resolve()
+    found = _ARENAS.get(folder)
+    if found is None:
+        found = _ARENAS[folder] = Arena(memory, local_rank, keep, budget, saved)
+        copying.at_exit(found.close_at_exit)
+    return found
+
+
+def reserve(fd: int, size: int, path: Path) -> None:
+    """Make the slot file ``size`` bytes long with every byte of it allocated now: a sparse
+    file in a full /dev/shm would kill the worker with SIGBUS at the first write to an
+    unallocated page; the reservation fails here instead, with a sentence."""
+    from rallypoint.checkpoint.tier import size_text
+
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as error:
+        raise CheckpointError(
+            f"cannot reserve {size_text(size)} of shared memory for the memory checkpoint "
+            f"slot {path}: {error.strerror}; free some of {path.parent.parent.parent} or "
+            "give --checkpoint-memory less"
+        ) from None
 
 
 def _age(record: slot.Record | None) -> tuple[int, int]:

@@ -220,7 +220,7 @@ class Checkpointer:
         if self._arena is None:
             assert self.memory is not None
             local_rank = variables.env_int(variables.NODE_LOCAL_RANK)
-            self._arena = arena.Arena(
+            self._arena = arena.for_process(
                 self.memory,
                 (variables.env_int(variables.LOCAL_RANK) or 0)
                 if local_rank is None
