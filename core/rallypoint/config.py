@@ -143,6 +143,13 @@ class LaunchConfig:
         """Whether the job may run on fewer nodes than its maximum (``--nnodes MIN:MAX``)."""
         return self.min_nodes != self.max_nodes
 
+    @property
+    def peer_memory(self) -> int | None:
+        """The bytes of shared memory the peer tier (copies another node sends this one)
+        may take: as many as the node's own memory checkpoints, in a job of several nodes
+        (the only one where a peer can send); None where there is none."""
+        return self.checkpoint_memory if self.checkpoint_memory and self.max_nodes > 1 else None
+
     # The chosen names and options, read as torchrun's flags name them.
     @property
     def rdzv_backend(self) -> str:

@@ -2,8 +2,9 @@
 
 ``LaunchConfig.from_flags`` decides what ``rallypoint run`` was asked to do; ``preflight``
 looks whether this node can do it: the ``--logs-specs`` entry point is installed, the
-devices ``--virtual-local-rank`` hands out are visible, ``--checkpoint-memory`` fits in the
-shared memory, the script is there and the files the agent will write can be written.
+devices ``--virtual-local-rank`` hands out are visible, the shared memory holds what
+``--checkpoint-memory`` keeps there (``shared_memory_uses``), the script is there and the
+files the agent will write can be written.
 Each refusal is a ``UsageError`` of one sentence.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Mapping
+from dataclasses import dataclass
 from importlib import metadata
 
 from rallypoint.config import LOGS_SPECS_GROUP, SHARED_MEMORY, LaunchConfig
@@ -31,7 +33,7 @@ def preflight(config: LaunchConfig, environ: Mapping[str, str] = os.environ) -> 
     if config.virtual_local_rank:
         _check_visible_devices(config.nproc_per_node, environ.get("CUDA_VISIBLE_DEVICES"))
     if config.checkpoint_memory:
-        _check_shared_memory(config.checkpoint_memory)
+        _check_shared_memory(config)
     _check_script(config)
     _check_outputs(config)
 
@@ -56,23 +58,60 @@ def _check_visible_devices(workers: int, visible: str | None) -> None:
         )
 
 
-def _check_shared_memory(size: int) -> None:
-    """``--checkpoint-memory SIZE`` must fit in this node's shared memory now."""
+@dataclass(frozen=True)
+class SharedMemoryUse:
+    """One thing the agent keeps in ``SHARED_MEMORY``: what it is, and the most bytes it
+    may take."""
+
+    what: str
+    size: int
+
+
+def shared_memory_uses(config: LaunchConfig) -> tuple[SharedMemoryUse, ...]:
+    """What the agent keeps in ``SHARED_MEMORY`` for ``config``, each at its budget: its
+    workers' arenas share ``--checkpoint-memory``, and the peer tier has its own
+    (``LaunchConfig.peer_memory``, as the agent gives it)."""
+    if not config.checkpoint_memory:
+        return ()
+    uses = [SharedMemoryUse("this node's memory checkpoints", config.checkpoint_memory)]
+    if config.peer_memory:
+        uses.append(SharedMemoryUse("the copies a peer node sends it", config.peer_memory))
+    return tuple(uses)
+
+
+def shared_memory_refusal(
+    config: LaunchConfig, free: int, total: int, path: str = SHARED_MEMORY
+) -> str | None:
+    """Why ``path``, with ``free`` of its ``total`` bytes free, cannot hold what the
+    agent keeps there for ``config``; None when it can."""
+    uses = shared_memory_uses(config)
+    needed = sum(use.size for use in uses)
+    if needed <= free:
+        return None
+    parts = ""
+    if len(uses) > 1:
+        parts = " (" + ", ".join(f"{use.size / 1e9:.1f} GB for {use.what}" for use in uses) + ")"
+    return (
+        f"--checkpoint-memory {format_size(config.checkpoint_memory)}: needs "
+        f"{needed / 1e9:.1f} GB of shared memory{parts}, and {path} has {free / 1e9:.1f} GB "
+        f"free of {total / 1e9:.1f} GB; give less, or a larger /dev/shm (docker run "
+        "--shm-size, a Kubernetes emptyDir of medium Memory)."
+    )
+
+
+def _check_shared_memory(config: LaunchConfig, path: str = SHARED_MEMORY) -> None:
+    """What ``--checkpoint-memory`` keeps in this node's shared memory must fit in it now."""
     try:
-        stats = os.statvfs(SHARED_MEMORY)
+        stats = os.statvfs(path)
     except OSError as error:
         raise UsageError(
-            f"--checkpoint-memory needs shared memory at {SHARED_MEMORY}, which this node "
+            f"--checkpoint-memory needs shared memory at {path}, which this node "
             f"lacks ({error.strerror})."
         ) from None
     free, total = stats.f_bavail * stats.f_frsize, stats.f_blocks * stats.f_frsize
-    if size > free:
-        raise UsageError(
-            f"--checkpoint-memory {format_size(size)}: needs {size / 1e9:.1f} GB of shared "
-            f"memory, and {SHARED_MEMORY} has {free / 1e9:.1f} GB free of {total / 1e9:.1f} GB; "
-            "give less, or a larger /dev/shm (docker run --shm-size, a Kubernetes emptyDir "
-            "of medium Memory)."
-        )
+    refusal = shared_memory_refusal(config, free, total, path)
+    if refusal is not None:
+        raise UsageError(refusal)
 
 
 def _check_script(config: LaunchConfig) -> None:

@@ -117,9 +117,7 @@ class NodeMemory:
         (self.path / slot.ARENA).mkdir()
         #: The node's own copies, in its workers' arenas; a peer's copy, in peer/.
         self.copies = Copies(self.path / slot.ARENA)
-        self.peer = Tier(
-            FileStorage(str(self.path / PEER_FOLDER)), 1, PEER, config.checkpoint_memory
-        )
+        self.peer = Tier(FileStorage(str(self.path / PEER_FOLDER)), 1, PEER, config.peer_memory)
         self._emit = emit
         self._lock = threading.Lock()
         self._saves: dict[Key, int] = {}
@@ -133,7 +131,7 @@ class NodeMemory:
         self._refusals = 0  # transfers refused: without the job's token, or unsafe
         self._refusals_lock = threading.Lock()  # the server's threads refuse
         self._prefetch_last = False  # whether it was started with nothing else to wait for
-        if config.max_nodes > 1:
+        if config.peer_memory:
             try:
                 self.server = peer_server.PeerServer(
                     host, self._find, self._inbox, config.job_token, self._refused
