@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -93,3 +94,19 @@ def handed_configs(monkeypatch: pytest.MonkeyPatch) -> list[LaunchConfig]:
 
     monkeypatch.setattr(rallypoint.agent.elastic, "Agent", Recorder)
     return seen
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Holds every asynchronous copy (``rallypoint.checkpoint.copying``) before it copies
+    anything, until the test sets it."""
+    from rallypoint.checkpoint import copying
+
+    opened = threading.Event()
+    finish = copying.Copier._finish
+    monkeypatch.setattr(
+        copying.Copier,
+        "_finish",
+        lambda self, copy: (copy.asynchronous and opened.wait(30), finish(self, copy)),
+    )
+    return opened

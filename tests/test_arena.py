@@ -230,19 +230,6 @@ def test_holding_a_copy_written_over_meanwhile_is_refused(tmp_path: Path) -> Non
     memory.close()
 
 
-@pytest.fixture
-def gate(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """Holds every asynchronous copy of the arena's copier until the test sets it."""
-    opened = threading.Event()
-    finish = copying.Copier._finish
-    monkeypatch.setattr(
-        copying.Copier,
-        "_finish",
-        lambda self, copy: (copy.asynchronous and opened.wait(30), finish(self, copy)),
-    )
-    return opened
-
-
 def test_an_asynchronous_save_holds_the_optimizer_s_step_until_it_is_copied(
     tmp_path: Path, gate: threading.Event
 ) -> None:

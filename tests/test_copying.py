@@ -31,19 +31,6 @@ def hooks(monkeypatch: pytest.MonkeyPatch) -> copying._Hooks:
     return copying._hooks
 
 
-@pytest.fixture
-def gate(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """Holds every asynchronous copy before it copies anything until the test sets it."""
-    opened = threading.Event()
-    finish = copying.Copier._finish
-    monkeypatch.setattr(
-        copying.Copier,
-        "_finish",
-        lambda self, copy: (copy.asynchronous and opened.wait(30), finish(self, copy)),
-    )
-    return opened
-
-
 def newest(memory: Path) -> Any:
     return loading.load_copy(Copies(memory / slot.ARENA).newest()[0])
 
