@@ -152,16 +152,23 @@ class Copier:
         reads was changed before (see the module); from then on nothing is watched."""
         import torch
 
+        if not self._settle(copy):
+            return
+        for device, event in copy.events:
+            torch.cuda.current_stream(device).wait_event(event)
+
+    def _settle(self, copy: Copy) -> bool:
+        """Stop watching ``copy``, a tensor changed until now tearing it; whether this was
+        the first time (the hooks and the copying thread both may, whichever comes first)."""
         with self._lock:
             if copy.ordered:
-                return
+                return False
             copy.ordered = True
             changed = [path for path, tensor, version in copy.watched if tensor._version != version]
             if changed and copy.torn is None:
                 copy.torn = changed[0]
             copy.watched, copy.buffers = [], set()
-        for device, event in copy.events:
-            torch.cuda.current_stream(device).wait_event(event)
+            return True
 
     def _finish(self, copy: Copy) -> None:
         """Copy the CPU tensors, wait for the GPU's, check that nothing changed, complete."""
@@ -169,15 +176,7 @@ class Copier:
             self._copy_cpu(copy)
             for _device, event in copy.events:
                 event.synchronize()
-            with self._lock:  # done before any change was ordered after it: check it now
-                if not copy.ordered:
-                    copy.ordered = True
-                    changed = [
-                        p for p, tensor, version in copy.watched if tensor._version != version
-                    ]
-                    if changed and copy.torn is None:
-                        copy.torn = changed[0]
-                    copy.watched, copy.buffers = [], set()
+            self._settle(copy)  # done before any change was ordered after it
             if copy.torn is not None:
                 raise CheckpointError(
                     f"{copy.label} not kept: {copy.torn!r} changed while it was copied "
