@@ -14,6 +14,8 @@ from servers import free_port
 
 
 class TestTCPStore(StoreConformance):
+    store_in_agent = True
+
     @pytest.fixture
     def connect(self) -> Iterator[Connect]:
         port = free_port()

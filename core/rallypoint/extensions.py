@@ -303,7 +303,9 @@ class RendezvousBackend:
             each node gives its group rank (``--node-rank``, below N), and group rank 0's
             workers meet at ``--master-addr:--master-port``, also in a job of one node.
         store_in_agent: the store lives in an agent's process and ends with it (c10d's
-            TCPStore): there is nothing of a run to clear from it afterwards.
+            TCPStore): there is nothing of a run to clear from it afterwards. Its store
+            then has a ``hosting`` attribute: whether this process is that agent (the
+            host waits for the others before it leaves).
     """
 
     name: str

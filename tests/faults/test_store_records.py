@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from fault_setups import Backend, Recovery, etcd_backend, redis_backend
@@ -40,6 +40,7 @@ from rallypoint.rendezvous import records
 from rallypoint.rendezvous.keys import Keys
 from rallypoint.rendezvous.protocol import StoreRendezvous
 from rallypoint.rendezvous.settings import Settings
+from rallypoint.rendezvous.store_handler import InAgent
 from servers import free_port
 
 #: The run id of the examples that need no store.
@@ -103,9 +104,12 @@ class Stores:
 
     def node(self, node_id: str, min_nodes: int = 1, max_nodes: int = 1) -> StoreRendezvous:
         assigner = get_plugin_manager().registry.get(RANK_ASSIGNERS, "ordered")
+        store = self.connect()
+        # As store_handler tells it: where the store lives in an agent, whether it is this one.
+        host = cast(InAgent, store).hosting if self.entry.store_in_agent else None
         node = StoreRendezvous(
-            self.connect(), self.run_id, NodeSpec(node_id, host="127.0.0.1"), 1, assigner,
-            Settings.from_conf(min_nodes, max_nodes, self.options),
+            store, self.run_id, NodeSpec(node_id, host="127.0.0.1"), 1, assigner,
+            Settings.from_conf(min_nodes, max_nodes, self.options), host=host,
         )  # fmt: skip
         self._close.append(node.close)
         return node

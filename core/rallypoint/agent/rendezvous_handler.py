@@ -74,7 +74,7 @@ def create_handler(
         return protocol_handler(MemoryStore(), request, "localhost")
     if backend.create_handler is not None:
         return checked_handler(backend.name, backend.create_handler(request))
-    return protocol_handler(connect(backend, request), request)
+    return protocol_handler(connect(backend, request), request, in_agent=backend.store_in_agent)
 
 
 def checked_handler(backend: str, handler: object) -> RendezvousHandler:

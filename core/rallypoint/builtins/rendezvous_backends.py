@@ -107,7 +107,9 @@ def static_handler(request: RendezvousRequest) -> RendezvousHandler:
             "rank_assigner": RankAssigner("node-rank", "the --node-rank given", by_node_rank),
         }
     )
-    return protocol_handler(connect_static(fixed), fixed, master_addr=request.master_addr)
+    return protocol_handler(
+        connect_static(fixed), fixed, master_addr=request.master_addr, in_agent=True
+    )
 
 
 def by_node_rank(nodes: Sequence[NodeSpec]) -> list[int]:

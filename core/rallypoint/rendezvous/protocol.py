@@ -92,7 +92,15 @@ class StoreRendezvous(RendezvousHandler):
     ``offer``: what this node offers the others in each round it joins (its memory
     checkpoints); every member reads all of them (``Assignment.offers``). ``pace``: this
     node's workers' CPU seconds per step, shared with the round's other nodes on every
-    heartbeat (``paces``) and put in the record of each round it joins.
+    heartbeat (``paces``) and put in the record of each round it joins. ``host``: whether
+    this process hosts the store, where it lives in an agent; None where it does not.
+
+    Its store calls go through ``calls.drive`` over the retrying store, but for four, each
+    for a reason: the token claim (``_claim_token``: once, before any step, retried as a
+    whole); the first renewal of this node's liveness (``_start_heartbeats``: it must exist
+    before the first join record, from the heartbeat thread's own connection); the sealed
+    liveness's "gone" mark (``close``); and the ``leave`` steps, driven on the store without
+    retries (leaving must not wait out an outage).
     """
 
     def __init__(
@@ -110,16 +118,17 @@ class StoreRendezvous(RendezvousHandler):
         pace: Callable[[], float | None] | None = None,
         ready: Ready | None = None,
         token: bytes | None = None,
+        host: bool | None = None,
     ) -> None:
         if not records.usable_id(node.node_id) or not records.usable_host(node.host):
             raise RallypointError(
                 f"node id {node.node_id!r} and host {node.host!r}: a rendezvous needs a "
                 "non-empty node id, and neither may contain whitespace"
             )
-        # True or False where an agent's process hosts the store (c10d, static's TCPStore,
-        # which says so); None for a store of its own (etcd, Redis), which keeps what is
-        # not deleted.
-        self.hosting: bool | None = getattr(store, "hosting", None)
+        # Whether this process hosts the store, where the backend's store lives in an agent
+        # (``RendezvousBackend.store_in_agent``: c10d, static); None for a store of its own
+        # (etcd, Redis, memory), which keeps what is not deleted (``store_handler``).
+        self.hosting = host
         self.signed = SignedStore(store, Seal(token)) if token else None
         self.store = RetryingStore(self.signed or store, settings.retry_timeout)
         self.settings = settings

@@ -233,10 +233,6 @@ class SignedStore:
             store.trust_drops = False
 
     @property
-    def hosting(self) -> bool | None:
-        return getattr(self.store, "hosting", None)
-
-    @property
     def attempt(self) -> str | None:
         seal = self.shared.seal
         return None if seal is None else seal.attempt

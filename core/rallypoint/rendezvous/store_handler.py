@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Protocol, cast
+
 from rallypoint.errors import UsageError
 from rallypoint.extensions import RendezvousBackend, RendezvousRequest
 from rallypoint.interfaces import CoordinationStore, RendezvousHandler
+
+
+class InAgent(CoordinationStore, Protocol):
+    """The store of a backend whose store lives in an agent's process and ends with it
+    (``RendezvousBackend.store_in_agent``): it says whether this process hosts it."""
+
+    hosting: bool
 
 
 def protocol_handler(
@@ -12,11 +21,14 @@ def protocol_handler(
     request: RendezvousRequest,
     master_addr: str | None = None,
     master_port: int | None = None,
+    *,
+    in_agent: bool = False,
 ) -> RendezvousHandler:
     """Core's rendezvous protocol over ``store``, for the node ``request`` describes.
 
     The workers' master address is group rank 0's host and a free port it holds, unless
-    ``master_addr`` and ``master_port`` fix them."""
+    ``master_addr`` and ``master_port`` fix them. ``in_agent``: the backend's
+    ``store_in_agent``; then ``store`` says whether this process hosts it (``InAgent``)."""
     from rallypoint.rendezvous.protocol import StoreRendezvous
     from rallypoint.rendezvous.settings import Settings
 
@@ -35,6 +47,7 @@ def protocol_handler(
         pace=request.pace,
         ready=request.ready,
         token=request.token,
+        host=cast(InAgent, store).hosting if in_agent else None,
     )
 
 

@@ -89,6 +89,9 @@ class StoreConformance:
     #: key's expiry), which ``delete_prefix`` then deletes and counts. A store that keeps
     #: it elsewhere (etcd: in a lease, which ``close`` revokes) sets this to False.
     liveness_is_a_key = True
+    #: The backend's ``store_in_agent``: its store lives in an agent's process. Here no
+    #: node hosts it (the ``connect`` fixture's process does), so each node is told so.
+    store_in_agent = False
 
     @pytest.fixture
     def store(self, connect: Connect) -> Iterator[CoordinationStore]:
@@ -419,7 +422,10 @@ class StoreConformance:
         """A node whose records are sealed with ``token`` (none: not sealed)."""
         settings = Settings.from_conf(low, high, {"last_call_timeout": 2.0, **conf})
         node = NodeSpec(name, host="127.0.0.1")
-        return StoreRendezvous(connect(), run_id, node, 2, _ORDERED, settings, token=token)
+        host = False if self.store_in_agent else None
+        return StoreRendezvous(
+            connect(), run_id, node, 2, _ORDERED, settings, token=token, host=host
+        )
 
     def test_concurrent_joins_agree(self, connect: Connect) -> None:
         run_id = uuid.uuid4().hex
