@@ -1,4 +1,4 @@
-"""The protocol's store calls as values: its steps do no I/O, an executor does.
+"""The protocol's store calls as values: its steps make no store call, an executor does.
 
 Every part of the rendezvous protocol (joining, the heartbeat, run generations) is written
 as a generator that yields a ``Call`` for each store operation or wait and is sent back
@@ -8,11 +8,17 @@ performs them on a simulated store and clock, interleaving many nodes at every c
 same code runs in both, with the same store operations: the protocol's cost at 1024 nodes
 (``benchmarks/bench_rendezvous.py``) does not change with how it is driven.
 
+The steps do two things besides their calls, both given to them from outside: the joining
+reserves a master port (``Joining(reserve_port=...)``: a socket bound on this host by the
+handler, a stand-in in the simulation) and asks the rank assigner for the round's ranks (a
+plugin's function of the joiners' records, called where the leader forms the round).
+What the handler does around the steps (its token claim, the heartbeat's first renewal,
+leaving) calls the store directly (``rendezvous.protocol``, each said there).
+
 Why generators rather than one ``decide(snapshot) -> action`` function, as torch's
 ``dynamic_rendezvous`` does: the protocol is a sequence of waits on single keys, and a
 snapshot of everything it might need would cost O(N) reads per node per decision where it
-now costs O(1). The decisions that are more than a read and a comparison are pure
-functions of their own (``rendezvous.decisions``).
+now costs O(1).
 """
 
 from __future__ import annotations
