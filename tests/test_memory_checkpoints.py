@@ -6,6 +6,7 @@ and the faults the tier is for; every wait bounded.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -391,7 +392,8 @@ def test_the_saving_node_sigkilled_resumes_from_the_peer_copy(nodes: Nodes) -> N
 def test_a_node_that_comes_back_loads_the_round_s_step_from_a_peer(nodes: Nodes) -> None:
     """The node that does not save is SIGKILLed and started again with empty memory: in
     the scale-up round both nodes' ranks load the same step, the new one's fetched from the
-    other node."""
+    other node: before it joined, when the job saved nothing newer since (the newest
+    checkpoint, fetched while it got ready), or once the round named the step."""
     nodes.start("a")
     nodes.start("b")
     nodes.wait_steps("a", world=2, count=3)
@@ -404,7 +406,11 @@ def test_a_node_that_comes_back_loads_the_round_s_step_from_a_peer(nodes: Nodes)
     last = loads(nodes.events(saver))[-1]
     (new,) = loads(nodes.events("c"))
     assert new["step"] == last["step"] and new["source"] == "peer", nodes.all_text()
-    assert "fetched checkpoint of step" in nodes.text("c")
+    # Which of the two fetches brought the step depends on whether the job saved between
+    # c's prefetch and the round: the log names the step either way.
+    step = new["step"]
+    fetched = rf"fetched (the job's newest checkpoint \(step {step}\)|checkpoint of step {step} )"
+    assert re.search(fetched, nodes.text("c")), nodes.all_text()
     nodes.stop()
 
 
@@ -492,6 +498,34 @@ def test_the_round_resumes_from_the_newest_step_any_member_holds(pm: Any, tmp_pa
         a.close("the test ends")
         b.close("the test ends")
     assert not a.path.exists() and not b.path.exists()
+
+
+def test_a_step_fetched_before_joining_is_not_fetched_again_in_the_round(
+    pm: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """b fetches the job's newest checkpoint (a's step 5) while it gets ready beside the
+    running round; the job saves nothing newer before the round that takes b in: b holds
+    the round's step already, and its one fetch is the one before joining."""
+    from rallypoint.events import RoundInfo
+    from rallypoint.interfaces import Assignment
+
+    caplog.set_level(logging.INFO, "rallypoint.agent")
+    a, b = _memory(pm, tmp_path), _memory(pm, tmp_path)
+    try:
+        _save(a, 5)
+        deadline = time.monotonic() + 30
+        while b.getting_ready((a.offer(),), last=True) is not None:
+            assert time.monotonic() < deadline, caplog.text
+            time.sleep(0.01)
+        offers = (a.offer(), b.offer())
+        assert offers[1]["steps"] == "5"
+        info = RoundInfo(2, 1, 2, 2, "127.0.0.1", 1, ("a", "b"))
+        assert b.resume_step(Assignment(info, (1, 1), offers)) == 5
+        fetches = [m for m in caplog.messages if m.startswith("fetched")]
+        assert len(fetches) == 1 and "(step 5)" in fetches[0], caplog.text
+    finally:
+        a.close("the test ends")
+        b.close("the test ends")
 
 
 def test_a_round_record_carries_offers_only_when_there_are_some() -> None:
