@@ -1,6 +1,7 @@
 """The framing the agent, its keeper and the preloaded interpreter speak
 (``rallypoint.agent.wire``): whole messages with their descriptors, and every broken
-stream refused the same way."""
+stream refused the same way; and the length-prefixed frames under it and under the peer
+transfers (``rallypoint.agent.framing``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from rallypoint.agent import wire
+from rallypoint.agent import framing, wire
 
 
 @pytest.fixture
@@ -119,3 +120,70 @@ def test_sending_over_a_bound_is_refused_before_anything_is_sent(
         wire.send(a, {}, [0] * (wire.MAX_FDS + 1))
     a.close()
     assert wire.receive(b) is None
+
+
+# --- the frames under both wires -----------------------------------------------------------
+
+
+class Stream:
+    """A stream of ``data`` that records what each read asked for."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.asked: list[int] = []
+
+    def read(self, size: int) -> bytes:
+        self.asked.append(size)
+        chunk, self.data = self.data[:size], self.data[size:]
+        return chunk
+
+
+@pytest.mark.parametrize("body", [b"", b"{}", bytes(range(256)) * 5000])
+def test_a_frame_round_trips(body: bytes) -> None:
+    encoded = framing.encode(body)
+    assert encoded[:4] == struct.pack(">I", len(body))  # the wire both sides always spoke
+    stream = Stream(encoded + b"the next frame")
+    assert framing.read_frame(stream.read, len(body)) == body
+    assert stream.data == b"the next frame"
+    assert max(stream.asked) <= framing.CHUNK  # memory grows with what arrives
+
+
+def test_a_length_over_the_bound_is_refused_before_the_body_is_read() -> None:
+    stream = Stream(struct.pack(">I", 101) + b"x" * 101)
+    with pytest.raises(framing.Oversize, match="a reply of 101 bytes, over the 100 allowed"):
+        framing.read_frame(stream.read, 100, "a reply")
+    assert stream.asked == [4]  # the header alone
+    assert framing.read_frame(Stream(struct.pack(">I", 100) + b"x" * 100).read, 100)
+    with pytest.raises(framing.Oversize):  # nor is one sent
+        framing.encode(b"x" * 101, 100)
+
+
+def test_a_header_claiming_much_costs_only_what_arrives() -> None:
+    stream = Stream(struct.pack(">I", framing.LARGEST) + b"x" * 10)
+    with pytest.raises(framing.Truncated, match="ended in the middle of a frame"):
+        framing.read_frame(stream.read, framing.LARGEST)
+    assert stream.asked == [4, framing.CHUNK, framing.CHUNK]  # not 4 GiB at once
+
+
+@pytest.mark.parametrize(
+    "data", [b"", b"\x00\x00", struct.pack(">I", 5), struct.pack(">I", 5) + b"abcd"]
+)
+def test_a_short_read_is_truncated(data: bytes) -> None:
+    with pytest.raises(framing.Truncated):
+        framing.read_frame(Stream(data).read, 100)
+    assert issubclass(framing.Truncated, ValueError)  # the worker channel's broken stream
+
+
+def test_a_frame_may_start_with_bytes_read_already() -> None:
+    frame = framing.encode(b"body")
+    assert framing.read_frame(Stream(frame[2:]).read, 10, head=frame[:2]) == b"body"
+
+
+def test_a_sender_that_stalls_mid_frame_meets_the_stream_timeout(
+    pair: tuple[socket.socket, ...],
+) -> None:
+    a, b = pair
+    b.settimeout(0.2)
+    a.sendall(struct.pack(">I", 100) + b"x" * 10)  # and the rest never
+    with pytest.raises(TimeoutError):
+        framing.read_frame(b.recv, 100)

@@ -16,7 +16,6 @@ import contextlib
 import errno
 import functools
 import hashlib
-import json
 import logging
 import queue
 import resource
@@ -30,6 +29,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, cast
 
+from rallypoint.agent import framing
 from rallypoint.agent import peer_wire as wire
 from rallypoint.checkpoint import manifest as mf
 from rallypoint.checkpoint.tier import Held, Tier
@@ -201,7 +201,7 @@ class PeerServer:
             sock.setblocking(False)
             nonce = secrets.token_hex(16)
             hello = {"nonce": nonce, "token": self.key is not None, "version": wire.VERSION}
-            out = wire.frame(json.dumps(hello).encode())
+            out = wire.encoded(hello)
             with contextlib.suppress(BlockingIOError):
                 out = out[sock.send(out) :]  # a new socket's buffer takes it, nearly always
             pending = _Pending(sock, str(address[0]), time.monotonic() + HANDSHAKE, nonce, out)
@@ -225,7 +225,7 @@ class PeerServer:
             if not mask & selectors.EVENT_READ:
                 return
             if pending.size is None:
-                want = wire.HEADER.size - len(pending.data)
+                want = framing.HEADER.size - len(pending.data)
             else:
                 want = pending.size - len(pending.data)
             chunk = pending.sock.recv(want) if want else b""
@@ -238,14 +238,13 @@ class PeerServer:
             self._drop(pending)
             return
         pending.data += chunk
-        if pending.size is None and len(pending.data) == wire.HEADER.size:
-            (pending.size,) = wire.HEADER.unpack(pending.data)
-            pending.data = bytearray()
-            if pending.size > wire.SMALL:
-                self._refuse(
-                    pending, f"a request of {pending.size} bytes, over the {wire.SMALL} allowed"
-                )
+        if pending.size is None and len(pending.data) == framing.HEADER.size:
+            try:
+                pending.size = framing.length(pending.data, wire.SMALL, "a request")
+            except framing.Oversize as error:
+                self._refuse(pending, str(error))
                 return
+            pending.data = bytearray()
         if pending.size is not None and len(pending.data) == pending.size:
             self._requested(pending)
 
@@ -302,7 +301,7 @@ class PeerServer:
         with contextlib.suppress(OSError):
             blocking = sock.gettimeout()
             sock.setblocking(False)
-            sock.send(wire.frame(json.dumps(message).encode()))
+            sock.send(wire.encoded(message))
             sock.settimeout(blocking)
 
     # --- serving wire.verified requests, the pool ----------------------------------------------

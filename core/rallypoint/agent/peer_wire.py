@@ -3,9 +3,9 @@
 Memory checkpoints between agents: each agent serves the copies it holds, and sends its
 newest to the next node of the round, so that the loss of a node loses no checkpoint.
 
-One TCP connection per request. A frame is a 4-byte big-endian length and that many
-bytes, a JSON object; each kind of frame has a bound, and a length over it is refused
-before anything more is read. The messages, in order:
+One TCP connection per request. A frame is ``rallypoint.agent.framing``'s, a 4-byte
+big-endian length and that many bytes, a JSON object; each kind of frame has a bound, and
+a length over it is refused before anything more is read. The messages, in order:
 
 * hello, server to client (``SMALL``): ``{"nonce": ..., "token": bool, "version": 2}``;
 * request, client to server (``SMALL``): ``{"op": "get" | "put", "nonce": ..., "rank":
@@ -49,10 +49,10 @@ import hashlib
 import hmac
 import json
 import re
-import struct
 from typing import Any, BinaryIO
 
 from rallypoint import job_token
+from rallypoint.agent import framing
 from rallypoint.checkpoint import manifest as mf
 from rallypoint.checkpoint.tier import Held, Tier
 from rallypoint.interfaces import CheckpointError
@@ -68,7 +68,6 @@ SMALL = 4 << 10
 MANIFEST_MOST = 16 << 20
 #: The key of the job token this module uses (``job_token.derive``).
 PURPOSE = "peer transfers"
-HEADER = struct.Struct(">I")
 _CHUNK = 8 << 20
 NONCE = re.compile(r"[0-9a-f]{32}")
 DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -88,26 +87,23 @@ class Refused(ConnectionError):
 # --- frames ---------------------------------------------------------------------------------
 
 
-def frame(body: bytes) -> bytes:
-    return HEADER.pack(len(body)) + body
+def encoded(message: dict[str, Any]) -> bytes:
+    """``message``'s frame."""
+    return framing.encode(json.dumps(message).encode())
 
 
 def send(stream: BinaryIO, message: dict[str, Any]) -> None:
-    stream.write(frame(json.dumps(message).encode()))
+    stream.write(encoded(message))
 
 
 def receive_raw(stream: BinaryIO, most: int, what: str) -> bytes:
     """A frame's bytes; ``Refused`` when its length is over ``most``, before reading it."""
-    head = stream.read(HEADER.size)
-    if len(head) != HEADER.size:
-        raise ConnectionError("the peer closed the connection")
-    (size,) = HEADER.unpack(head)
-    if size > most:
-        raise Refused(f"{what} of {size} bytes, over the {most} allowed")
-    body = stream.read(size)
-    if len(body) != size:
-        raise ConnectionError("the peer closed the connection")
-    return body
+    try:
+        return framing.read_frame(stream.read, most, what)
+    except framing.Oversize as error:
+        raise Refused(str(error)) from None
+    except framing.Truncated:
+        raise ConnectionError("the peer closed the connection") from None
 
 
 def parse(body: bytes, what: str) -> dict[str, Any]:
@@ -174,7 +170,7 @@ def files_mac(key: bytes | None, nonces: tuple[str, str]) -> hmac.HMAC | None:
 
 def send_checkpoint(stream: BinaryIO, held: Held, text: bytes, mac: hmac.HMAC | None) -> None:
     """The manifest ``text``, the files, the MAC's trailer."""
-    stream.write(frame(text))
+    stream.write(framing.encode(text))
     for file_name in held.manifest.files:
         with held.open(file_name) as reader:
             while chunk := reader.read(_CHUNK):

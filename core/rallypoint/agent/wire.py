@@ -9,11 +9,14 @@ socket's send buffer, 208 KiB by default (``net.core.wmem_default``; EMSGSIZE be
 and a request to start a cold worker or the preloaded interpreter carries a whole
 environment, which ``exec`` accepts up to a quarter of the stack limit (2 MiB by
 default). A packet larger than the reader's buffer is cut silently, too; a length is
-checked against ``MAX_MESSAGE`` before anything is read. What the stream costs, reading
-until a frame is whole and sending the rest of a frame a signal cut short, is here, once.
+checked against ``MAX_MESSAGE`` before anything is read. The frames are
+``rallypoint.agent.framing``'s, the peer transfers' too; what is this channel's own is
+here: the descriptors that travel with a frame's first bytes, and sending the rest of a
+frame a signal cut short.
 
-Stdlib-only and importing nothing of rallypoint: the keeper and the preloaded interpreter
-import it without the package (``rallypoint.agent.keeper_server``, ``zygote``).
+Stdlib-only and importing nothing of rallypoint (``framing`` relatively): the keeper and
+the preloaded interpreter import it without the package (``rallypoint.agent.keeper_server``,
+``zygote``).
 """
 
 from __future__ import annotations
@@ -21,11 +24,12 @@ from __future__ import annotations
 import json
 import os
 import socket
-import struct
 from collections.abc import Sequence
 from typing import Any
 
-_HEADER = struct.Struct(">I")
+# Relative: imported as _rallypoint_keeper's and _rallypoint_zygote's too (see above).
+from . import framing
+
 #: The largest message, either way: above anything ``exec`` accepts (6 MiB at most), so
 #: that only a broken or hostile stream meets it.
 MAX_MESSAGE = 16 << 20
@@ -41,7 +45,7 @@ def send(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) 
             f"a message of {len(body)} bytes and {len(fds)} descriptors is over the "
             f"wire's bounds ({MAX_MESSAGE} bytes, {MAX_FDS} descriptors)"
         )
-    frame = memoryview(_HEADER.pack(len(body)) + body)
+    frame = memoryview(framing.encode(body))
     # A signal may cut a sendmsg short; the descriptors went with its first bytes.
     sent = socket.send_fds(sock, [frame], list(fds)) if fds else 0
     if sent < len(frame):
@@ -53,7 +57,7 @@ def receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
     None when the other end closed between messages. ``ValueError`` when the stream is
     broken: closed mid-message, a length over ``MAX_MESSAGE``, or a body that is not a JSON
     object; the descriptors that came with it are closed then."""
-    header, fds, _flags, _addr = socket.recv_fds(sock, _HEADER.size, MAX_FDS)
+    header, fds, _flags, _addr = socket.recv_fds(sock, framing.HEADER.size, MAX_FDS)
     try:
         for fd in fds:
             os.set_inheritable(fd, False)
@@ -68,25 +72,15 @@ def receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
 
 
 def _body(sock: socket.socket, header: bytes) -> dict[str, Any]:
-    """The message whose header starts with ``header`` (a stream may cut it short)."""
-    (length,) = _HEADER.unpack(header + _read_exactly(sock, _HEADER.size - len(header)))
-    if length > MAX_MESSAGE:
-        raise ValueError(f"a message of {length} bytes is over the bound of {MAX_MESSAGE}")
-    message = json.loads(_read_exactly(sock, length))
+    """The message whose frame starts with ``header`` (a stream may cut it short)."""
+    body = framing.read_frame(sock.recv, MAX_MESSAGE, "a message", head=header)
+    try:
+        message = json.loads(body)
+    except RecursionError:  # JSON nested too deep: as broken as any other
+        raise ValueError("a message nested too deep") from None
     if not isinstance(message, dict):
         raise ValueError(f"a message is a JSON object, not {type(message).__name__}")
     return message
-
-
-def _read_exactly(sock: socket.socket, count: int) -> bytes:
-    chunks = []
-    while count > 0:
-        chunk = sock.recv(min(count, 1 << 20))
-        if not chunk:
-            raise ValueError("the socket closed mid-message")
-        chunks.append(chunk)
-        count -= len(chunk)
-    return b"".join(chunks)
 
 
 def _close(fds: Sequence[int]) -> None:
