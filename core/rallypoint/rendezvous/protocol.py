@@ -309,7 +309,12 @@ def leave(joining: Joining, hosting: bool | None) -> Steps[None]:
     members = record.node_ids if record is not None and record.round == round_ else ()
     if members and joining.rank is not None:
         # The mark last: once every member's is written, none of them writes here again.
-        yield from calls.set_(keys.of_round(round_, "left", joining.rank), b"1")
+        mark = keys.of_round(round_, "left", joining.rank)
+        yield from calls.set_(mark, b"1")
+        if hosting is None and (yield from calls.get(keys.of_round(round_, "closed"))) is None:
+            # The last to leave deleted the run after a first write of this mark whose
+            # reply was lost; its retry wrote the mark again: take it back.
+            yield from calls.delete_prefix(mark)
     marks = [keys.of_round(round_, "left", g) for g in range(len(members))]
     if hosting is None:  # a store of its own (etcd, Redis): it keeps what is not deleted
         # The count only says when to look: a stray can add to it, not write a mark.
