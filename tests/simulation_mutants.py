@@ -108,6 +108,115 @@ MUTANTS = (
         "a new job's round closes as soon as MIN are in, without its last call",
         8,
     ),
+    Mutant(
+        "exit-barrier-passed-on-the-count",
+        "rallypoint.rendezvous.joining",
+        (
+            (
+                "            if count >= size and all(v is not None for v in (yield from "
+                "calls.get_many(marks))):",
+                "            if count >= size:",
+            ),
+        ),
+        "a member passes the exit barrier when the count says all are in: a count applied "
+        "twice (its reply lost, the add retried) lets it pass before another finished",
+        228,
+    ),
+    Mutant(
+        "run-deleted-before-every-mark",
+        "rallypoint.rendezvous.protocol",
+        (
+            (
+                "        if last and (yield from calls.wait(marks, LEAVE_GRACE)):",
+                "        if last:",
+            ),
+        ),
+        "the last to leave deletes the run as soon as the count says all left: a mark "
+        "written after the deletion is left behind",
+        9,
+    ),
+    Mutant(
+        "retried-mark-left-behind",
+        "rallypoint.rendezvous.protocol",
+        (
+            (
+                "        if hosting is None and (yield from calls.get(keys.of_round(round_, "
+                '"closed"))) is None:',
+                "        if False:",
+            ),
+        ),
+        "a member's mark whose reply was lost is written again after the run was deleted, "
+        "and stays",
+        3,
+    ),
+    Mutant(
+        "master-port-let-go",
+        "rallypoint.rendezvous.joining",
+        (
+            (
+                "            if previous is not None:\n                previous.release()",
+                "            if self.port is not None:\n                self.port.release()",
+            ),
+        ),
+        "the round's master port is let go as soon as it is taken: another process on the "
+        "host may take it before the workers bind it",
+        0,
+    ),
+    Mutant(
+        "store-outage-given-up-at-once",
+        "rallypoint.rendezvous.retrying",
+        (
+            (
+                "        if now - self.began >= self.retry_timeout - 0.001:",
+                "        if True:",
+            ),
+        ),
+        "an unreachable store is not retried: a blip of an outage ends the job",
+        3,
+    ),
+    Mutant(
+        "neighbour-never-checked",
+        "rallypoint.rendezvous.heartbeat",
+        (("        yield from self._check_neighbour(view)\n", "        pass\n"),),
+        "no member watches the next one: a member killed is counted in the round for good",
+        13,
+    ),
+    Mutant(
+        "round-end-unnoticed",
+        "rallypoint.rendezvous.heartbeat",
+        (
+            (
+                "                if (yield from calls.wait([key], min(until_beat, WAKE_SLICE))):\n"
+                "                    node.ended = max(node.ended, (view.keys.generation, round_))",
+                "                if (yield from calls.wait([key], min(until_beat, WAKE_SLICE))):\n"
+                "                    pass",
+            ),
+        ),
+        "the heartbeat sees the next round open and does not say so: the node's workers "
+        "train on in a round the job has left",
+        1,
+    ),
+    Mutant(
+        "stall-forgotten",
+        "rallypoint.rendezvous.liveness",
+        (("        return self.clock() - self._stalled_at <= seconds", "        return False"),),
+        "a node back from a stall does not look whether the run was started afresh "
+        "without it meanwhile (STALL_WATCH): it waits in the old run",
+        21,
+    ),
+    Mutant(
+        "beats-too-rare",
+        "rallypoint.rendezvous.heartbeat",
+        (
+            (
+                "                next_beat = now + ttl / 3",
+                "                next_beat = now + ttl * 1.2",
+            ),
+        ),
+        "a node renews its liveness less often than it lapses: the others take a live "
+        "node for gone",
+        13,
+    ),
 )
 
 

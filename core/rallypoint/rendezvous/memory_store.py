@@ -99,6 +99,11 @@ class MemoryStore:
                 del self._shared.expiry[key]
             return len(set(doomed) | set(expiring))
 
+    def keys(self) -> list[str]:
+        """Every key it holds, liveness keys included (what a finished run must not leave)."""
+        with self._shared.changed:
+            return sorted(set(self._shared.values) | set(self._shared.expiry))
+
     def clone(self) -> MemoryStore:
         return MemoryStore(self._shared)
 

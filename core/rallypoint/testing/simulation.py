@@ -22,6 +22,7 @@ or slow. After every event the invariants (``Invariants``) are checked.
 from __future__ import annotations
 
 import argparse
+import collections
 import heapq
 import itertools
 import logging
@@ -36,14 +37,13 @@ from typing import Any
 from rallypoint.errors import RallypointError
 from rallypoint.extensions import NodeSpec, RankAssigner
 from rallypoint.interfaces import Assignment, StoreError, StoreUnavailable
-from rallypoint.rendezvous import calls, notices, records
+from rallypoint.rendezvous import calls, notices, protocol, records
 from rallypoint.rendezvous.calls import Call, Steps
 from rallypoint.rendezvous.heartbeat import WAKE_SLICE, Heartbeat
 from rallypoint.rendezvous.joining import Joining
 from rallypoint.rendezvous.keys import Keys
 from rallypoint.rendezvous.memory_store import MemoryStore
 from rallypoint.rendezvous.node import NodeState
-from rallypoint.rendezvous.protocol import leave
 from rallypoint.rendezvous.retrying import Backoff
 from rallypoint.rendezvous.settings import Settings
 
@@ -79,11 +79,14 @@ class Schedule:
     ready: dict[int, float]  # node -> seconds it takes to get ready beside a running job
     quiet: float  # when the last fault is over
     end: float  # when the schedule is checked for the last time
+    most: int | None = None  # drawn as a job of up to this many nodes (--nodes)
 
     @classmethod
-    def draw(cls, seed: int) -> Schedule:
+    def draw(cls, seed: int, most: int | None = None) -> Schedule:
+        """Seed ``seed``'s schedule; ``most``: a job of up to that many nodes (the usual
+        few where None; the draws of a given ``most`` stay the same)."""
         rng = random.Random(seed)
-        settings, nodes = _job(rng)
+        settings, nodes = _job(rng) if most is None else _large_job(random.Random(seed), most)
         low, ttl = settings.min_nodes, settings.heartbeat_timeout
         horizon = 120.0
         # Nodes started together (a job's launch) within a second (its own stream: the
@@ -132,8 +135,13 @@ class Schedule:
         end = quiet + settle + 30 * latency + 20 + max(ready.values())
         return cls(
             seed, settings, nodes, starts, latency, lose, outage, freezes, crashes, stops,
-            failures, rerun, skews, ready, quiet, end,
+            failures, rerun, skews, ready, quiet, end, most,
         )  # fmt: skip
+
+    @property
+    def nodes_flag(self) -> str:
+        """The ``--nodes`` that draws this schedule again (none for the usual few)."""
+        return "" if self.most is None else f" --nodes {self.most}"
 
     def quiet_start(self) -> bool:
         """Whether every node starts at once, and no fault comes before the first round
@@ -184,12 +192,35 @@ def _job(rng: random.Random) -> tuple[Settings, int]:
     return settings, nodes
 
 
+def _large_job(rng: random.Random, most: int) -> tuple[Settings, int]:
+    """A job of up to ``most`` nodes: at least half of them needed, the rest may come."""
+    high = rng.randint(max(2, most // 2), most)
+    low = rng.randint(max(1, high // 2), high)
+    settings, _ = _job(rng)
+    return Settings(
+        min_nodes=low,
+        max_nodes=high,
+        join_timeout=settings.join_timeout,
+        last_call_timeout=settings.last_call_timeout,
+        close_timeout=settings.close_timeout,
+        heartbeat_timeout=settings.heartbeat_timeout,
+        retry_timeout=settings.retry_timeout,
+        ready_timeout=settings.ready_timeout,
+        prefix=settings.prefix,
+    ), rng.randint(low, most)
+
+
 @dataclass
 class _Port:
+    """A master port an agent holds on its host, as ``PortReservation`` does with a
+    socket: until ``release``, or until its process dies."""
+
     port: int
+    host: str
+    sim: Simulation
 
     def release(self) -> None:
-        return None
+        self.sim.held.get(self.host, {}).pop(self.port, None)
 
 
 @dataclass
@@ -224,6 +255,22 @@ class SimAgent:
     fail_due: list[float] = field(default_factory=list)
     actors: list[Actor] = field(default_factory=list)
     heartbeat_stopped: bool = False
+    finishing: bool = False
+
+    def trains_in(self, training: tuple[int, int] | None) -> None:
+        """Its workers now run in ``training`` (None: none run), counted by the simulation
+        so that its checks after each event look at each round once, not at each node."""
+        if training == self.training:
+            return
+        counts = self.sim.training
+        if self.training is not None:
+            counts[self.training] -= 1
+            if not counts[self.training]:
+                del counts[self.training]
+        if training is not None:
+            counts[training] += 1
+        self.training = training
+        self.sim.dirty = True
 
     def __post_init__(self) -> None:
         sim = self.sim
@@ -241,7 +288,7 @@ class SimAgent:
         self.joining = Joining(
             self.state,
             sim.assigner,
-            lambda port: _Port(port or 29500),
+            lambda port: sim.reserve(self, port),
             ready=lambda _offers: "importing" if sim.now < born + ready_in else None,
         )
         self.conn = sim.store.clone()
@@ -256,7 +303,7 @@ class SimAgent:
             self._wake_heartbeat()
             self.sim.assigned(self, assignment)
             view = self.state.view
-            self.training = (view.keys.generation, assignment.info.round)
+            self.trains_in((view.keys.generation, assignment.info.round))
             while True:
                 yield from calls.pause(MONITOR)
                 if self.state.heartbeat_failed is not None:
@@ -268,11 +315,11 @@ class SimAgent:
                     self.fail_due.pop(0)
                     yield from self.joining.request_new_round()
                     break
-            self.training = None
+            self.trains_in(None)
 
     def _ended(self, _: Any, error: BaseException | None) -> None:
         self._wake_heartbeat()
-        self.training = None
+        self.trains_in(None)
         if error is None:
             return
         if isinstance(error, RallypointError) and str(error).strip():
@@ -306,17 +353,48 @@ class SimAgent:
             ):
                 self.sim.wake(actor)
 
+    @property
+    def host(self) -> str:
+        return f"h{self.index}"
+
     def crash(self) -> None:
-        """SIGKILL: nothing more runs, nothing is closed; its liveness lapses."""
+        """SIGKILL: nothing more runs, nothing is closed; its liveness lapses, and the
+        ports it held are free (its sockets die with it)."""
         self.alive = False
-        self.training = None
+        self.trains_in(None)
         for actor in self.actors:
             actor.dead = True
+        self.sim.release_ports(self)
+
+    def finish(self, timeout: float) -> None:
+        """Its workers finished: as the agent, it passes the exit barrier (still beating),
+        then closes its rendezvous: the heartbeat stops, then it leaves."""
+        for actor in self.actors:
+            if actor.name == "agent":
+                actor.dead = True
+        self.finishing = True
+
+        def finished(_: Any, error: BaseException | None) -> None:
+            self.finishing = False
+            self.alive = False
+            if error is not None:
+                raise Violation(f"{self.node_id} failed to finish: {error!r}") from error
+
+        self.sim.spawn(self, "finish", self.conn, self._finish(timeout), finished)
+
+    def _finish(self, timeout: float) -> Steps[None]:
+        yield from self.joining.exit_barrier(timeout)
+        self.sim.passed(self)
+        self.heartbeat_stopped = True  # StoreRendezvous.close: heartbeats stop first
+        for actor in self.actors:
+            if actor.name == "heartbeat":
+                actor.dead = True
+        yield from protocol.leave(self.joining, None)  # a store of its own: keeps what is left
 
     def stop(self) -> None:
         """SIGTERM: it stops its heartbeat, leaves, and closes its connections."""
         self.alive = False
-        self.training = None
+        self.trains_in(None)
         self.heartbeat_stopped = True
         for actor in self.actors:
             actor.dead = True
@@ -330,7 +408,7 @@ class SimAgent:
     def _leave(self) -> Steps[None]:
         """As the agent told to stop: notice to the round (its workers save), then leave."""
         yield from notices.give(self.state, 0)
-        yield from leave(self.joining, None)
+        yield from protocol.leave(self.joining, None)
 
 
 class Simulation:
@@ -352,6 +430,11 @@ class Simulation:
         self.events = 0
         self._ends: dict[tuple[int, int], float] = {}  # round -> when the job left it
         self._generation_seen = 0  # the run's current generation
+        self.held: dict[str, dict[int, SimAgent]] = {}  # host -> port -> the agent holding it
+        self.training: collections.Counter[tuple[int, int]] = collections.Counter()
+        self.dirty = True  # the store or what nodes train in changed since the last check
+        self._first = Keys(schedule.settings.prefix, RUN_ID)
+        self._next_port: dict[str, int] = {}
         from rallypoint.builtins.rank_assigners import register_rank_assigners
 
         self.assigner: RankAssigner = register_rank_assigners()[0]
@@ -382,15 +465,20 @@ class Simulation:
         if s.outage is not None:
             self.at(s.outage[0], self._outage_begins)
         self.at(s.end, lambda: None)
+        self._run_until(s.end)
+        if self.check_settled():
+            self.finish()
+
+    def _run_until(self, end: float) -> None:
         while self._queue:
-            when, _, what = heapq.heappop(self._queue)
-            if when > s.end:
+            when, _, what = self._queue[0]
+            if when > end:
                 break
+            heapq.heappop(self._queue)
             self.now = max(self.now, when)
             what()
             self.events += 1
             self.check()
-        self.check_settled()
 
     # --- agents ---------------------------------------------------------------------------
 
@@ -457,6 +545,27 @@ class Simulation:
     def _outage(self) -> bool:
         outage = self.schedule.outage
         return outage is not None and outage[0] <= self.now < outage[1]
+
+    # --- the hosts' ports -------------------------------------------------------------------
+
+    def reserve(self, agent: SimAgent, port: int) -> _Port:
+        """A port on ``agent``'s host, as binding a socket gives one: ``port``, or a free
+        one (0); a port another holds cannot be had (EADDRINUSE)."""
+        held = self.held.setdefault(agent.host, {})
+        if not port:
+            port = self._next_port.get(agent.host, 29500)
+            while port in held:
+                port += 1
+            self._next_port[agent.host] = port + 1
+        elif port in held:
+            raise OSError(98, "Address already in use")
+        held[port] = agent
+        return _Port(port, agent.host, self)
+
+    def release_ports(self, agent: SimAgent) -> None:
+        held = self.held.get(agent.host, {})
+        for port in [port for port, holder in held.items() if holder is agent]:
+            del held[port]
 
     # --- running steps --------------------------------------------------------------------
 
@@ -545,6 +654,7 @@ class Simulation:
             self.at(deadline, lambda: self._wait_over(actor, deadline))
             return
         result = getattr(actor.store, call.method)(*call.args)
+        self.dirty = self.dirty or call.method in WRITES
         self.log(
             f"{actor.agent.node_id}/{actor.name} {call.method}{_short(call.args)} -> {_short(result)}"
         )
@@ -626,6 +736,16 @@ class Simulation:
             )
         if info.members[info.group_rank] != agent.node_id or info.group_world_size != size:
             self.fail(f"{agent.node_id} has group rank {info.group_rank} of {info.members}")
+        if (
+            info.group_rank == 0
+            and self.held.get(agent.host, {}).get(record.master_port) is not agent
+        ):
+            # The workers of every member meet at group rank 0's port: it must be one that
+            # node holds, which no other process on its host can have.
+            self.fail(
+                f"round {generation}/{info.round}: its master port {record.master_port} is "
+                f"not held by {agent.node_id}, its group rank 0"
+            )
         if len(set(info.members)) != size or info.world_size != sum(record.nprocs):
             self.fail(
                 f"round {generation}/{info.round}: members {info.members}, world size {info.world_size}"
@@ -660,20 +780,20 @@ class Simulation:
         return outage[1] if outage is not None and outage[0] <= self.now else 0.0
 
     def check(self) -> None:
-        """After every event: note when the rounds that nodes train in end (the protocol's
-        own sign: the next round's ``open`` key, or a newer generation of the run)."""
-        first = Keys(self.schedule.settings.prefix, RUN_ID)
-        # The hint, then the markers after it (``generations.current``), as dict reads:
-        # this runs after every event.
+        """After every event that changed the store or what a node trains in: note when
+        the rounds that nodes train in end (the protocol's own sign: the next round's
+        ``open`` key, or a newer generation of the run)."""
+        if not self.dirty:
+            return
+        self.dirty = False
+        first = self._first
+        # The hint, then the markers after it (``generations.current``), as dict reads.
         raw = self.store.get(first.generation_key)
         generation = records.decode_int(first.generation_key, raw) if raw else 0
         while self.store.get(first.born(generation + 1)) is not None:
             generation += 1
         self._generation_seen = generation
-        for agent in self.agents:
-            training = agent.training
-            if training is None or training in self._ends:
-                continue
+        for training in [t for t in self.training if t not in self._ends]:
             keys = first.at(training[0])
             if training[0] < generation or self.store.get(keys.of_round(training[1] + 1, "open")):
                 self._ends[training] = self.now
@@ -684,16 +804,17 @@ class Simulation:
         formed = [r for g, r in self.rounds if g == generation]
         return generation, max(formed, default=-1)
 
-    def check_settled(self) -> None:
+    def check_settled(self) -> bool:
         """After the last fault, every live node is in the job's round (or waits while the
-        job runs with MAX), no gone node is, and every node that gave up had cause."""
+        job runs with MAX), no gone node is, and every node that gave up had cause;
+        whether there is a round to finish."""
         s = self.schedule.settings
         live = [a for a in self.agents if a.alive and a.gave_up is None]
         for agent in self.agents:
             if agent.gave_up is not None and not self._may_give_up(agent):
                 self.fail(f"{agent.node_id} gave up: {agent.gave_up}")
         if len(live) < s.min_nodes:
-            return  # they wait for more nodes, until join_timeout
+            return False  # they wait for more nodes, until join_timeout
         generation, round_ = self.job_round()
         current = self.rounds.get((generation, round_))
         members = set(current.node_ids) if current is not None else set()
@@ -715,6 +836,49 @@ class Simulation:
                 f"{len(training)} of {len(live)} live nodes train in the job's round "
                 f"{generation}/{round_} (want {want}): {states}"
             )
+        # A clean finish is checked where every live node is a member: one that waits
+        # beside a job of MAX nodes would wait on after the job ended, until join_timeout.
+        return bool(members) and len(training) == len(members) == len(live)
+
+    def passed(self, agent: SimAgent) -> None:
+        """A node passed its round's exit barrier: only once every member wrote its mark
+        (its workers finished), whatever the count says."""
+        view = agent.state.view
+        if agent.joining.finished is None or view.record is None or view.round is None:
+            return
+        marks = [
+            view.keys.of_round(view.round, "done", g) for g in range(len(view.record.node_ids))
+        ]
+        missing = [g for g, mark in enumerate(marks) if self.store.get(mark) is None]
+        if missing:
+            self.fail(
+                f"{agent.node_id} passed the exit barrier before group ranks {missing} finished"
+            )
+
+    def finish(self) -> None:
+        """The job ends cleanly: every member of its round passes the exit barrier within
+        its timeout and leaves; then nothing of the run is left in the store (a store of
+        its own, as etcd's and Redis's: the last to leave deletes the run)."""
+        generation, round_ = self.job_round()
+        members = [a for a in self.agents if a.alive and a.training == (generation, round_)]
+        timeout = 2 * self.schedule.settings.heartbeat_timeout + 20 * self.schedule.latency + 5
+        self.log(f"the job finishes: {[a.node_id for a in members]}")
+        # Workers end at different times (a stream of its own: the other draws stay as
+        # they were): a member waits at the barrier for the others.
+        ends = random.Random(f"finish {self.schedule.seed}")
+        for agent in members:
+            self.at(self.now + ends.uniform(0, 3), partial(agent.finish, timeout))
+        bound = 3 + timeout + protocol.LEAVE_GRACE + 30 * self.schedule.latency + 10
+        self._run_until(self.now + bound)
+        for agent in members:
+            if agent.finishing:
+                self.fail(f"{agent.node_id} has not finished {timeout:.0f} s after its workers")
+            if agent.joining.finished != round_:
+                self.fail(f"{agent.node_id} did not pass the exit barrier of round {round_}")
+        keys = Keys(self.schedule.settings.prefix, RUN_ID)
+        left = [key for key in self.store.keys() if key.startswith(keys.prefixes)]  # noqa: SIM118
+        if left:
+            self.fail(f"after a clean finish {len(left)} keys of the run are left: {left[:5]}")
 
     def _may_give_up(self, agent: SimAgent) -> bool:
         """Only a store out of reach for longer than retry_timeout is a reason, here."""
@@ -727,7 +891,8 @@ class Simulation:
     def fail(self, what: str) -> None:
         raise Violation(
             f"{what} (at {self.now:.3f} s)\n  {self.schedule.describe()}\n"
-            f"  replay: python -m rallypoint.testing.simulation --seed {self.schedule.seed} --trace"
+            f"  replay: python -m rallypoint.testing.simulation --seed {self.schedule.seed}"
+            f"{self.schedule.nodes_flag} --trace"
         )
 
 
@@ -744,10 +909,11 @@ class Outcome:
     seconds: float
 
 
-def run_seed(seed: int, trace: bool = False) -> Outcome:
-    """Run one seed's schedule; its violation, if any, as text."""
+def run_seed(seed: int, trace: bool = False, nodes: int | None = None) -> Outcome:
+    """Run one seed's schedule (of up to ``nodes`` nodes, when given); its violation, if
+    any, as text."""
     began = time.perf_counter()
-    sim = Simulation(Schedule.draw(seed), trace=trace)
+    sim = Simulation(Schedule.draw(seed, nodes), trace=trace)
     log = logging.getLogger("rallypoint.rendezvous")
     quiet, log.disabled = log.disabled, not trace  # a schedule's faults are what it is for
     try:
@@ -758,16 +924,17 @@ def run_seed(seed: int, trace: bool = False) -> Outcome:
     except Exception as crash:
         error = (
             f"seed {seed}: the simulation failed: {crash!r}\n"
-            f"  replay: python -m rallypoint.testing.simulation --seed {seed} --trace"
+            f"  replay: python -m rallypoint.testing.simulation --seed {seed}"
+            f"{'' if nodes is None else f' --nodes {nodes}'} --trace"
         )
     finally:
         log.disabled = quiet
     return Outcome(seed, error, sim.events, time.perf_counter() - began)
 
 
-def run_seeds(seeds: Iterator[int] | range) -> Iterator[Outcome]:
+def run_seeds(seeds: Iterator[int] | range, nodes: int | None = None) -> Iterator[Outcome]:
     for seed in seeds:
-        yield run_seed(seed)
+        yield run_seed(seed, nodes=nodes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -780,9 +947,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schedules", type=int, default=1000, help="how many seeds to run")
     parser.add_argument("--first", type=int, default=0, help="the first seed")
     parser.add_argument("--processes", type=int, default=1)
+    parser.add_argument("--nodes", type=int, help="jobs of up to this many nodes (default: 2 to 5)")
     args = parser.parse_args(argv)
     if args.seed is not None:
-        outcome = run_seed(args.seed, args.trace)
+        outcome = run_seed(args.seed, args.trace, args.nodes)
         print(outcome.error or f"seed {args.seed}: no violation ({outcome.events} events)")
         return 1 if outcome.error else 0
     seeds = range(args.first, args.first + args.schedules)
@@ -791,9 +959,9 @@ def main(argv: list[str] | None = None) -> int:
         import multiprocessing
 
         with multiprocessing.get_context("spawn").Pool(args.processes) as pool:
-            outcomes = pool.map(run_seed, seeds, chunksize=50)
+            outcomes = pool.map(partial(run_seed, nodes=args.nodes), seeds, chunksize=50)
     else:
-        outcomes = list(run_seeds(seeds))
+        outcomes = list(run_seeds(seeds, args.nodes))
     failed = [o for o in outcomes if o.error]
     for outcome in failed[:5]:
         print(outcome.error)
