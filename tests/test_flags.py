@@ -1,6 +1,7 @@
 """``rallypoint run``'s flags, declared once (``rallypoint.flags.FLAGS``): the command's options
 are made from the table, its parser is pure, the checks of the machine are ``preflight``'s,
-and on/off is spelt one way everywhere."""
+on/off is spelt one way everywhere, and ``rallypoint rendezvous status`` and ``clear`` take
+its rendezvous flags as ``run`` does."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import typer.main
 from rallypoint.config import LaunchConfig
 from rallypoint.errors import UsageError
 from rallypoint.extensions import ConfigOption
-from rallypoint.flags import FLAGS, format_size, parse_flags, parse_size
+from rallypoint.flags import FLAGS, RENDEZVOUS_FLAGS, format_size, parse_flags, parse_size
 from rallypoint.plugins import get_plugin_manager
 from rallypoint.preflight import preflight
 from rallypoint_cli.main import build_app, main
@@ -186,3 +187,102 @@ def test_the_checks_of_the_machine_are_preflight_s(tmp_path: Path) -> None:
 @pytest.mark.parametrize("text", ["4GB", "2GiB", "1500MB", "512MB", "100000TB", "1KiB", "123"])
 def test_a_size_is_shown_as_it_is_read(text: str) -> None:
     assert format_size(parse_size(text, "--checkpoint-memory")) == text
+
+
+# --- rallypoint rendezvous status and clear: run's rendezvous flags ---------------------------
+
+
+def rendezvous(
+    args: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> tuple[int, str, str]:
+    """``rallypoint rendezvous ARGS`` in this process with only ``env``'s launcher
+    variables: the exit code, stdout and stderr."""
+    for name in list(os.environ):
+        if name.startswith(("RALLYPOINT_", "PET_")):
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        code = main(["rendezvous", *args])
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("name", ["status", "clear"])
+def test_the_rendezvous_commands_take_run_s_rendezvous_flags(name: str) -> None:
+    """The same options as ``run``'s: names, defaults, help and variables."""
+    command = typer.main.get_command(build_app(get_plugin_manager()))
+    group = command.commands["rendezvous"]
+    run_options = {p.name: p for p in command.commands["run"].params}
+    options = {p.name: p for p in group.commands[name].params}  # type: ignore[attr-defined]
+    assert [flag.dest for flag in RENDEZVOUS_FLAGS] == [
+        "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf",
+    ]  # fmt: skip
+    for flag in RENDEZVOUS_FLAGS:
+        ours, runs = options[flag.dest], run_options[flag.dest]
+        for attribute in ("opts", "envvar", "default", "help", "show_default", "required"):
+            assert getattr(ours, attribute) == getattr(runs, attribute), (flag.name, attribute)
+    assert options["rdzv_backend"].default == "static"
+
+
+@pytest.fixture
+def tcp_store() -> Any:
+    """A torch TCPStore on a free loopback port, with no rendezvous in it."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
+    )
+
+
+def test_the_rendezvous_commands_read_the_environment_as_run_does(
+    tcp_store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    endpoint = f"127.0.0.1:{tcp_store.port}"
+    env = {"PET_RDZV_ENDPOINT": endpoint, "PET_RDZV_ID": "job", "PET_RDZV_BACKEND": "c10d"}
+    code, out, err = rendezvous(["status"], env, monkeypatch)
+    assert (code, out, err) == (0, "run job: no rendezvous in this store\n", "")
+    # RALLYPOINT_* wins over PET_*, and the command line over both.
+    env["RALLYPOINT_RDZV_ID"] = "a/b"
+    code, out, err = rendezvous(["status"], env, monkeypatch)
+    assert code == 2 and err.startswith("rallypoint: error: --rdzv-id 'a/b': use 1 to 128")
+    code, out, err = rendezvous(["status", "--rdzv-id", "other"], env, monkeypatch)
+    assert (code, out) == (0, "run other: no rendezvous in this store\n")
+
+
+def test_status_of_a_static_job_reads_the_store_at_its_endpoint(
+    tcp_store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``run``'s default backend: a static job's store is a TCPStore like c10d's."""
+    args = ["status", "--rdzv-endpoint", f"127.0.0.1:{tcp_store.port}", "--rdzv-id", "job"]
+    code, out, err = rendezvous(args, {}, monkeypatch)
+    assert (code, out, err) == (0, "run job: no rendezvous in this store\n", "")
+
+
+def test_status_of_a_static_job_needs_its_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    code, out, err = rendezvous(["status", "--rdzv-id", "job"], {}, monkeypatch)
+    assert (code, out) == (2, "")
+    assert err == (
+        "rallypoint: error: --rdzv-backend static: give --rdzv-endpoint MASTER_ADDR:MASTER_PORT "
+        "of the job's node rank 0, which hosts its store, or the --rdzv-backend and "
+        "--rdzv-endpoint the job was given.\n"
+    )
+    code, out, err = rendezvous(["status", "--rdzv-backend", "c10d"], {}, monkeypatch)
+    assert (code, out) == (2, "")
+    assert err == (
+        "rallypoint: error: --rdzv-endpoint is required with --rdzv-backend c10d "
+        "(give host:port of the job's rendezvous store).\n"
+    )
+
+
+def test_clear_of_a_static_job_says_there_is_nothing_to_clear(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    code, out, err = rendezvous(["clear", "--rdzv-id", "job"], {}, monkeypatch)
+    assert (code, out) == (2, "")
+    assert err == (
+        "rallypoint: error: --rdzv-backend static: its store lives in the agent that hosts it "
+        "and ends with it; there is nothing to clear.\n"
+    )

@@ -1,17 +1,21 @@
 """``rallypoint rendezvous status`` and ``clear``: a job's rendezvous as its store holds it,
-and removing it from the store."""
+and removing it from the store.
+
+They name the job with the rendezvous flags of ``rallypoint run``
+(``rallypoint.flags.RENDEZVOUS_FLAGS``): the same options, defaults and variables
+(``RALLYPOINT_*``, ``PET_*``), so that where ``run`` finds a job's store, they do too."""
 
 from __future__ import annotations
 
 import json
-import os
+from typing import Any
 
 import typer
 
-from rallypoint.config import choose_rendezvous, job_token
+from rallypoint.config import RendezvousTarget
 from rallypoint.errors import UsageError
 from rallypoint.extensions import RendezvousRequest
-from rallypoint.flags import check_run_id
+from rallypoint.flags import RENDEZVOUS_FLAGS
 from rallypoint.interfaces import CoordinationStore
 from rallypoint.plugins import PluginManager
 from rallypoint.registry import RENDEZVOUS_BACKENDS
@@ -21,31 +25,23 @@ from rallypoint.rendezvous.settings import Settings
 from rallypoint.rendezvous.signing import Seal, SignedStore
 from rallypoint.rendezvous.status import read_status
 from rallypoint.rendezvous.store_handler import connect
+from rallypoint_cli.flag_options import with_flags
 
 
-def _open(
-    pm: PluginManager, rdzv_backend: str, rdzv_endpoint: str, rdzv_id: str, rdzv_conf: str
-) -> tuple[CoordinationStore, Keys, Settings]:
+def _open(target: RendezvousTarget) -> tuple[CoordinationStore, Keys, Settings]:
     """A read-only client of the job's store (reading sealed records with the job's token,
     when given as the job's agents take it), the job's keys and settings."""
-    check_run_id(rdzv_id)
-    backend, _ = choose_rendezvous(pm.registry, rdzv_backend, rdzv_conf)
-    token = job_token(backend.options, os.environ)
-    request = RendezvousRequest(rdzv_id, rdzv_endpoint, backend.options, viewer=True)
-    settings = Settings.from_conf(1, 1, backend.options)
-    store = connect(backend.item, request)
-    keys = Keys(settings.prefix, rdzv_id)
-    if token is not None:
-        signed = SignedStore(store, Seal(token))
+    options = target.rendezvous.options
+    request = RendezvousRequest(target.rdzv_id, target.rdzv_endpoint, options, viewer=True)
+    settings = Settings.from_conf(1, 1, options)
+    store = connect(target.rendezvous.item, request)
+    keys = Keys(settings.prefix, target.rdzv_id)
+    if target.job_token is not None:
+        signed = SignedStore(store, Seal(target.job_token))
         signed.view(keys.token_key)  # the attempt's seal, if the run has a claim of this token
         store = signed
     return store, keys, settings
 
-
-BACKEND = typer.Option("c10d", "--rdzv-backend", "--rdzv_backend")
-ENDPOINT = typer.Option(..., "--rdzv-endpoint", "--rdzv_endpoint")
-RUN_ID = typer.Option(..., "--rdzv-id", "--rdzv_id")
-CONF = typer.Option("", "--rdzv-conf", "--rdzv_conf")
 
 #: What each condition of a run means, after its round line.
 _CONDITIONS = {
@@ -60,16 +56,14 @@ _CONDITIONS = {
 def register(app: typer.Typer, pm: PluginManager) -> None:
     group = typer.Typer(help="Inspect rendezvous state.", no_args_is_help=True)
 
-    @group.command("status")
     def status(
-        rdzv_backend: str = BACKEND,
-        rdzv_endpoint: str = ENDPOINT,
-        rdzv_id: str = RUN_ID,
-        rdzv_conf: str = CONF,
         as_json: bool = typer.Option(False, "--json", help="Print JSON for tools."),
+        **flags: Any,
     ) -> None:
         """Current round, members with their ranks, waiting nodes and heartbeats."""
-        store, keys, settings = _open(pm, rdzv_backend, rdzv_endpoint, rdzv_id, rdzv_conf)
+        target = RendezvousTarget.from_flags(pm.registry, **flags)
+        rdzv_id = target.rdzv_id
+        store, keys, settings = _open(target)
         try:
             report = read_status(store, keys, rdzv_id, settings.heartbeat_timeout)
         finally:
@@ -96,24 +90,24 @@ def register(app: typer.Typer, pm: PluginManager) -> None:
         for node in report["getting_ready"]:
             typer.echo(f"  getting ready to join: {node['node_id']} ({node['doing']})")
 
-    @group.command("clear")
     def clear(
-        rdzv_backend: str = BACKEND,
-        rdzv_endpoint: str = ENDPOINT,
-        rdzv_id: str = RUN_ID,
-        rdzv_conf: str = CONF,
         force: bool = typer.Option(
             False, "--force", help="Clear it even while agents of the run are alive."
         ),
+        **flags: Any,
     ) -> None:
         """Delete a run's records from the store (every attempt of it). Refused while an
         agent of the run is alive, unless --force."""
-        if pm.registry.get(RENDEZVOUS_BACKENDS, rdzv_backend).store_in_agent:
+        # Asked first: the answer for static and c10d, with or without an endpoint.
+        backend = pm.registry.get(RENDEZVOUS_BACKENDS, flags["rdzv_backend"])
+        if backend.store_in_agent:
             raise UsageError(
-                f"--rdzv-backend {rdzv_backend}: its store lives in the agent that hosts it "
+                f"--rdzv-backend {backend.name}: its store lives in the agent that hosts it "
                 "and ends with it; there is nothing to clear."
             )
-        store, keys, settings = _open(pm, rdzv_backend, rdzv_endpoint, rdzv_id, rdzv_conf)
+        target = RendezvousTarget.from_flags(pm.registry, **flags)
+        rdzv_id, rdzv_backend = target.rdzv_id, backend.name
+        store, keys, settings = _open(target)
         try:
             delete = getattr(store, "delete_prefix", None)
             if delete is None:
@@ -134,4 +128,6 @@ def register(app: typer.Typer, pm: PluginManager) -> None:
             store.close()
         typer.echo(f"run {rdzv_id}: cleared ({deleted} keys deleted)")
 
+    for name, command in (("status", status), ("clear", clear)):
+        group.command(name)(with_flags(command, RENDEZVOUS_FLAGS, pm.registry))
     app.add_typer(group, name="rendezvous")

@@ -6,6 +6,10 @@ decides what they leave open (the nodes of ``--nnodes auto``, the rendezvous of
 with their options, and returns a fully typed ``LaunchConfig``, or raises a ``UsageError``
 whose message is one sentence naming the flag and the fix. ``rallypoint.preflight`` then
 checks this machine against it. Nothing after that has to validate user input again.
+
+``RendezvousTarget.from_flags`` does the same for ``rallypoint rendezvous status`` and
+``clear``: the rendezvous flags of ``run`` (``rallypoint.flags.RENDEZVOUS_FLAGS``), parsed
+as ``run`` parses them.
 """
 
 from __future__ import annotations
@@ -29,7 +33,13 @@ from rallypoint.extensions import (
     RendezvousBackend,
     RestartPolicy,
 )
-from rallypoint.flags import AUTO_NODES, parse_flags, parse_nnodes, split_list
+from rallypoint.flags import (
+    AUTO_NODES,
+    parse_flags,
+    parse_nnodes,
+    parse_rendezvous_flags,
+    split_list,
+)
 from rallypoint.registry import (
     METRICS_SINKS,
     RANK_ASSIGNERS,
@@ -52,6 +62,22 @@ STANDALONE_ENDPOINT = "localhost:0"
 SHARED_MEMORY = "/dev/shm"
 #: torchrun's entry-point group for ``--logs-specs``.
 LOGS_SPECS_GROUP = "torchrun.logs_specs"
+
+#: The flags that reach no field of their own name, each with the fields ``from_flags``
+#: decides from it. Every other flag is the field of its name: one in neither would be
+#: dropped, so ``from_flags`` refuses it (``tests/test_flag_fields.py`` walks the table).
+DECIDED_FLAGS: Mapping[str, tuple[str, ...]] = {
+    "nnodes": ("min_nodes", "max_nodes"),
+    "rdzv_backend": ("rendezvous",),
+    "rdzv_conf": ("rendezvous", "notes", "job_token"),
+    "restart_policy": ("restart",),
+    "restart_conf": ("restart",),
+    "rank_assigner": ("assigner",),
+    "rank_conf": ("assigner",),
+    "metrics": ("sinks",),
+    "metrics_conf": ("sinks",),
+    "metrics_port": ("sinks",),
+}
 
 #: The registrations chosen by name with options of their own.
 R = TypeVar("R", bound=RendezvousBackend | RestartPolicy | RankAssigner | MetricsSink)
@@ -191,9 +217,18 @@ class LaunchConfig:
 
         Raises:
             UsageError: one sentence naming the flag, the bad value and what is expected.
+            TypeError: ``given`` names no flag, or a flag of the table reaches no field
+                (a mistake in the code: see ``DECIDED_FLAGS``).
         """
         environ = os.environ  # read here only: the parser and the deciders are handed it
         flags = parse_flags(given, environ)
+        fields = {field.name for field in dataclasses.fields(cls)}
+        lost = sorted(name for name in flags if name not in fields and name not in DECIDED_FLAGS)
+        if lost:
+            raise TypeError(
+                f"flags that reach no field of LaunchConfig: {', '.join(lost)}; give each a "
+                "field, or name the fields decided from it in DECIDED_FLAGS"
+            )
         shape = _shape(flags, environ)
         nproc_per_node = count_workers(flags["nproc_per_node"])
         rendezvous, notes = choose_rendezvous(registry, shape.backend, flags["rdzv_conf"])
@@ -227,9 +262,50 @@ class LaunchConfig:
             "sinks": sinks,
             "job_token": job_token(rendezvous.options, environ),
         }
-        fields = {field.name for field in dataclasses.fields(cls)}
         as_given = {name: value for name, value in flags.items() if name in fields}
         return cls(**{**as_given, **decided})
+
+
+@dataclass(frozen=True)
+class RendezvousTarget:
+    """The job whose rendezvous ``rallypoint rendezvous status`` and ``clear`` look at,
+    named by the rendezvous flags of ``rallypoint run``, with the same defaults."""
+
+    rendezvous: Choice[RendezvousBackend]
+    rdzv_endpoint: str
+    rdzv_id: str
+    #: The job's secret, as its agents take it: sealed records are read with it.
+    job_token: bytes | None = field(repr=False)
+
+    @classmethod
+    def from_flags(cls, registry: Registry, **given: Any) -> RendezvousTarget:
+        """Parse ``rdzv_backend``, ``rdzv_endpoint``, ``rdzv_id`` and ``rdzv_conf`` as
+        ``LaunchConfig.from_flags`` does (one not given takes ``run``'s default).
+
+        Raises:
+            UsageError: a bad value, or no ``--rdzv-endpoint``: these commands read the
+                job's store from outside it, so they must be told where it is.
+            TypeError: ``given`` names no rendezvous flag.
+        """
+        environ = os.environ
+        flags = parse_rendezvous_flags(given, environ)
+        rendezvous, _ = choose_rendezvous(registry, flags["rdzv_backend"], flags["rdzv_conf"])
+        name = rendezvous.name
+        if not flags["rdzv_endpoint"] and rendezvous.item.given_ranks:
+            # run's default: the store is at --master-addr:--master-port, which only the
+            # job's nodes know (a job of one node keeps it in its agent's memory).
+            raise UsageError(
+                f"--rdzv-backend {name}: give --rdzv-endpoint MASTER_ADDR:MASTER_PORT of the "
+                "job's node rank 0, which hosts its store, or the --rdzv-backend and "
+                "--rdzv-endpoint the job was given."
+            )
+        if not flags["rdzv_endpoint"]:
+            raise UsageError(
+                f"--rdzv-endpoint is required with --rdzv-backend {name} "
+                "(give host:port of the job's rendezvous store)."
+            )
+        token = job_token(rendezvous.options, environ)
+        return cls(rendezvous, flags["rdzv_endpoint"], flags["rdzv_id"], token)
 
 
 # --- what the flags leave to this machine -----------------------------------------------------

@@ -533,6 +533,12 @@ FLAGS: tuple[Flag, ...] = (
     ),
 )
 
+#: The flags that say where a job's rendezvous is: ``rallypoint rendezvous status`` and
+#: ``clear`` take them as ``run`` does, with the same defaults and variables.
+RENDEZVOUS_FLAGS: tuple[Flag, ...] = tuple(
+    flag for flag in FLAGS if flag.name in ("rdzv-backend", "rdzv-endpoint", "rdzv-id", "rdzv-conf")
+)
+
 #: The script and its arguments, given with the flags (``rallypoint run [OPTIONS] SCRIPT ...``).
 ARGUMENTS = ("training_script", "training_script_args")
 _NAMES = frozenset(flag.dest for flag in FLAGS) | frozenset(ARGUMENTS)
@@ -558,6 +564,19 @@ def parse_flags(given: Mapping[str, Any], environ: Mapping[str, str]) -> dict[st
     values["training_script_args"] = tuple(given.get("training_script_args") or ())
     _check_script(script, values["module"], values["no_python"], values["run_path"])
     return values
+
+
+def parse_rendezvous_flags(given: Mapping[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    """The ``RENDEZVOUS_FLAGS`` typed, by ``Flag.dest``, as ``parse_flags`` types them.
+
+    Raises:
+        UsageError: one sentence naming the flag, the bad value and what is expected.
+        TypeError: ``given`` names no rendezvous flag (a caller's mistake).
+    """
+    unknown = sorted(set(given) - {flag.dest for flag in RENDEZVOUS_FLAGS})
+    if unknown:
+        raise TypeError(f"not rendezvous flags: {', '.join(unknown)}")
+    return {flag.dest: flag.value(given.get(flag.dest), environ) for flag in RENDEZVOUS_FLAGS}
 
 
 def _check_script(script: str, module: bool, no_python: bool, run_path: bool) -> None:
