@@ -220,7 +220,8 @@ class Bench:
         if kind is not None:
             self.run_loop(kind, self.iterations[kind])
             times["loop"] = time.perf_counter() - began - times["blocked"]
-            flying = checkpointer._staging.copier.in_flight()  # still writing at the loop's end?
+            staging = checkpointer._modes[True].stager  # where asynchronous saves are staged
+            flying = staging.copier.in_flight()  # still writing at the loop's end?
             times["write_outlasted_loop"] = float(bool(flying))
         checkpointer.wait()
         return {**times, "written": time.perf_counter() - began}

@@ -11,7 +11,8 @@ from typing import Any
 
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
-from rallypoint.checkpoint.checkpointer import Checkpoint, Checkpointer, Opener
+from rallypoint.checkpoint.candidates import Checkpoint, Loaded, Opener, newest
+from rallypoint.checkpoint.checkpointer import Checkpointer
 from rallypoint.interfaces import CheckpointError
 
 
@@ -124,8 +125,8 @@ class RallypointReader(StorageReader):
         """The checkpoint chosen (``state`` is None: ``dcp.load`` loads it)."""
         if self._chosen is None:
 
-            def holding(open_reader: Opener) -> Callable[[], tuple[Any, int, int]]:
-                def hold() -> tuple[Any, int, int]:
+            def holding(open_reader: Opener) -> Callable[[], Loaded]:
+                def hold() -> Loaded:
                     stack = contextlib.ExitStack()
                     try:
                         self._inner, world, size = open_reader(stack)
@@ -137,8 +138,8 @@ class RallypointReader(StorageReader):
 
                 return hold
 
-            candidates = self.checkpointer._sharded_candidates(holding)
-            self._chosen = (self.checkpointer._load_newest(candidates),)
+            candidates = self.checkpointer._tiers().sharded(holding)
+            self._chosen = (newest(candidates),)
         return self._chosen[0]
 
     @property
