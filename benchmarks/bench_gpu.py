@@ -85,7 +85,7 @@ def child(spec: dict[str, Any]) -> None:
     model(torch.randn(2, 8, 1024, device=device)).sum().backward()
     optimizer.step()  # the gradients stay: each later step() updates the state again
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-    scratch = Path(tempfile.mkdtemp(dir=os.environ["RALLYPOINT_MEMORY_TIER"]))
+    scratch = Path(tempfile.mkdtemp(dir=os.environ["RALLYPOINT_MEMORY_TIER_DIR"]))
     run = Measure(state, device, spec["repeat"], scratch)
     if spec["part"] == "ranks":
         print("READY", flush=True)
@@ -268,7 +268,7 @@ def worker_env(memory: Path, local_rank: int = 0) -> dict[str, str]:
     """The environment of a ``rallypoint run --checkpoint-memory`` worker, for a child."""
     return common.clean_env(
         {
-            "RALLYPOINT_MEMORY_TIER": str(memory),
+            "RALLYPOINT_MEMORY_TIER_DIR": str(memory),
             "LOCAL_RANK": str(local_rank),
             "RALLYPOINT_LOCAL_RANK": str(local_rank),
             "MASTER_ADDR": common.HOST,

@@ -78,7 +78,7 @@ peak = [0]
 
 def used():
     """The memory the arena's slots take (pages written, not the files' lengths)."""
-    root = os.path.join(os.environ["RALLYPOINT_MEMORY_TIER"], "arena")
+    root = os.path.join(os.environ["RALLYPOINT_MEMORY_TIER_DIR"], "arena")
     return sum(f.stat().st_blocks * 512 for f in __import__("pathlib").Path(root).rglob("slot-*"))
 
 
@@ -205,7 +205,7 @@ def measure_loop(args: argparse.Namespace) -> dict[str, Any]:
     (tier / "arena").mkdir()
     env = common.clean_env(
         {
-            "RALLYPOINT_MEMORY_TIER": str(tier),
+            "RALLYPOINT_MEMORY_TIER_DIR": str(tier),
             "RALLYPOINT_MEMORY_TIER_BYTES": str(int(args.size_mb * 4.2e6)),
             "RALLYPOINT_MEMORY_TIER_KEEP": "1",
         }

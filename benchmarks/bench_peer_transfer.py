@@ -1,8 +1,8 @@
-"""What the job token's file MAC (HMAC-SHA256 over every byte, rallypoint.agent.peers) costs a
-checkpoint transfer between agents: a ``get`` and a ``put`` of a memory checkpoint's copy
-(one file, CRC-32) over loopback, from node memory (/dev/shm) to node memory, with and
-without a token, alternated in one run. Both ends run on this machine, so each side's
-hashing competes for the same cores.
+"""What the job token's file MAC (HMAC-SHA256 over every byte,
+rallypoint.agent.checkpoints.peers) costs a checkpoint transfer between agents: a ``get`` and
+a ``put`` of a memory checkpoint's copy (one file, CRC-32) over loopback, from node memory
+(/dev/shm) to node memory, with and without a token, alternated in one run. Both ends run on
+this machine, so each side's hashing competes for the same cores.
 
     .venv/bin/python benchmarks/bench_peer_transfer.py [--size-mb 512] [--repeat 5]
 """
@@ -19,7 +19,7 @@ import time
 import zlib
 from pathlib import Path
 
-from rallypoint.agent import peer_server, peer_wire, peers
+from rallypoint.agent.checkpoints import peer_server, peer_wire, peers
 from rallypoint.checkpoint import manifest as mf
 from rallypoint.checkpoint.storage import FileStorage
 from rallypoint.checkpoint.tier import Held, Tier

@@ -294,8 +294,8 @@ def _counting_pins() -> Iterator[dict[int, int]]:
 
 def worker_environment(shm: Path, local_rank: int, budget: int) -> dict[str, str]:
     """What ``rallypoint run --checkpoint-memory`` gives a worker for its memory checkpoints
-    (``rallypoint.agent.environment``), with ``shm`` as the agent's memory directory, and a
-    world of one on a free loopback port."""
+    (``rallypoint.agent.processes.environment``), with ``shm`` as the agent's memory
+    directory, and a world of one on a free loopback port."""
     from rallypoint.worker import variables
 
     (shm / "arena").mkdir(parents=True, exist_ok=True)
@@ -303,7 +303,7 @@ def worker_environment(shm: Path, local_rank: int, budget: int) -> dict[str, str
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     return {
-        variables.CHECKPOINT_MEMORY: str(shm),
+        variables.CHECKPOINT_MEMORY_DIR: str(shm),
         variables.CHECKPOINT_MEMORY_BYTES: str(budget),
         variables.CHECKPOINT_MEMORY_KEEP: "1",
         variables.LOCAL_RANK: str(local_rank),

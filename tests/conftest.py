@@ -81,7 +81,7 @@ def agent_tmpdir(rallypoint_agent_tmpdir: Path) -> Path:
 def handed_configs(monkeypatch: pytest.MonkeyPatch) -> list[LaunchConfig]:
     """The configurations ``rallypoint run`` hands its agent during the test, in order; the
     agent itself is replaced and runs nothing (its job "succeeds" at once)."""
-    import rallypoint.agent.elastic
+    import rallypoint.agent.statemachine.elastic
 
     seen: list[LaunchConfig] = []
 
@@ -92,7 +92,7 @@ def handed_configs(monkeypatch: pytest.MonkeyPatch) -> list[LaunchConfig]:
         def run_job(self) -> int:
             return 0
 
-    monkeypatch.setattr(rallypoint.agent.elastic, "Agent", Recorder)
+    monkeypatch.setattr(rallypoint.agent.statemachine.elastic, "Agent", Recorder)
     return seen
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from launch import RALLYPOINT, InstallPlugin, clean_environment, rallypoint, torchrun, worker
-from rallypoint.agent.failures import exception_line
+from rallypoint.agent.monitoring.failures import exception_line
 from servers import process_alive as alive
 from servers import wait_until
 
@@ -379,7 +379,7 @@ def test_the_agent_does_not_import_torch() -> None:
         "import sys\n"
         "from rallypoint_cli.main import build_app\n"
         "from rallypoint.plugins import get_plugin_manager\n"
-        "import rallypoint.agent.elastic\n"
+        "import rallypoint.agent.statemachine.elastic\n"
         "build_app(get_plugin_manager())\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )

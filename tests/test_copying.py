@@ -215,7 +215,7 @@ def test_every_dcp_save_of_a_process_shares_one_arena(
 
     memory = tmp_path / "memory"
     (memory / slot.ARENA).mkdir(parents=True)
-    for name, value in {"RALLYPOINT_MEMORY_TIER": str(memory), "RANK": "0", "WORLD_SIZE": "1",
+    for name, value in {"RALLYPOINT_MEMORY_TIER_DIR": str(memory), "RANK": "0", "WORLD_SIZE": "1",
                         "LOCAL_RANK": "0"}.items():  # fmt: skip
         monkeypatch.setenv(name, value)
     warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)

@@ -23,7 +23,7 @@ class Opaque:
 def worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     memory = tmp_path / "memory"
     (memory / slot.ARENA).mkdir(parents=True)
-    env = {"RALLYPOINT_MEMORY_TIER": str(memory), "RANK": "0", "WORLD_SIZE": "1"}
+    env = {"RALLYPOINT_MEMORY_TIER_DIR": str(memory), "RANK": "0", "WORLD_SIZE": "1"}
     for name, value in {**env, "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(name, value)
     warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
@@ -62,6 +62,6 @@ def test_the_writer_refuses_an_object_a_safe_load_would_refuse(worker: Path) -> 
 
 
 def test_the_writer_needs_the_memory_tier(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.delenv("RALLYPOINT_MEMORY_TIER", raising=False)
+    monkeypatch.delenv("RALLYPOINT_MEMORY_TIER_DIR", raising=False)
     with pytest.raises(CheckpointError, match="RallypointWriter saves to node memory"):
         RallypointWriter(1, Checkpointer(str(tmp_path / "ckpt")))

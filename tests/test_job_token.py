@@ -1,5 +1,5 @@
 """The job's token: where an agent reads it, and the checkpoint transfers between agents
-that it authenticates (rallypoint.agent.peers). A stray client without it can neither
+that it authenticates (rallypoint.agent.checkpoints.peers). A stray client without it can neither
 fetch a node's checkpoint nor push one into it; a stray server cannot feed one to a node."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from launch import rallypoint, worker
-from rallypoint.agent import peer_server, peer_wire, peers
+from rallypoint.agent.checkpoints import peer_server, peer_wire, peers
 from rallypoint.checkpoint import Checkpointer, FileStorage
 from rallypoint.checkpoint import manifest as mf
 from rallypoint.checkpoint.tier import Held, Tier
@@ -340,7 +340,7 @@ def test_the_transfers_are_keyed_by_a_key_derived_from_the_token() -> None:
 def test_workers_do_not_inherit_the_token() -> None:
     from types import SimpleNamespace
 
-    from rallypoint.agent.environment import job_environment
+    from rallypoint.agent.processes.environment import job_environment
 
     config = SimpleNamespace(nproc_per_node=1)  # all job_environment reads
     environment = job_environment(config, {TOKEN_ENV: "s3cret", "PATH": "/bin"})  # type: ignore[arg-type]

@@ -1,9 +1,10 @@
-"""The agent's side of its keeper (``rallypoint.agent.keeper``) against a real keeper
-process (``rallypoint.agent.keeper_server``), in this process: what the agent's workers
+"""The agent's side of its keeper (``rallypoint.agent.processes.keeper``) against a real keeper
+process (``rallypoint.agent.processes.keeper_server``), in this process: what the agent's workers
 rely on, without a rendezvous. The whole job's view: tests/faults/test_stray_processes.py."""
 
 from __future__ import annotations
 
+import ast
 import os
 import signal
 import sys
@@ -12,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from rallypoint.agent.keeper import BOOT, Keeper, KeeperGone, KeptProcess
+from rallypoint.agent.processes import keeper as keeper_module
+from rallypoint.agent.processes.keeper import BOOT, Keeper, KeeperGone, KeptProcess
 from servers import wait_until
 
 
@@ -82,3 +84,35 @@ def _reaped(pid: int) -> bool:
         return os.waitpid(pid, os.WNOHANG)[0] == pid
     except ChildProcessError:  # not yet handed to this process
         return False
+
+
+def _imports(path: Path) -> tuple[set[str], set[str]]:
+    """The top-level names of what ``path`` imports absolutely, and the siblings it
+    imports relatively."""
+    absolute: set[str] = set()
+    siblings: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            absolute.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            absolute.add((node.module or "").split(".")[0])
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 1, f"{path.name}: an import from above its folder"
+            found = [node.module] if node.module else [a.name for a in node.names]
+            siblings.update(found)
+    return absolute, siblings
+
+
+def test_what_the_keeper_and_the_preloaded_interpreter_import_is_stdlib_only() -> None:
+    """Both import their modules from their folder, without the package and without
+    site-packages (``keeper_server``, ``zygote``): every module they reach imports the
+    standard library and its siblings in that folder, nothing else."""
+    folder = Path(str(keeper_module.__file__)).parent
+    todo, seen = ["keeper_server", "zygote"], set()
+    while todo:
+        name = todo.pop()
+        seen.add(name)
+        absolute, siblings = _imports(folder / f"{name}.py")
+        assert absolute <= set(sys.stdlib_module_names) | {"__future__"}, name
+        todo.extend(siblings - seen)
+    assert seen == {"keeper_server", "zygote", "wire", "framing", "subreaper"}

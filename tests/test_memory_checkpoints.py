@@ -437,7 +437,7 @@ def test_the_memory_flags_reach_no_worker_without_the_tier(tmp_path: Path) -> No
     worker) is not the workers' tier: they get one only from their own agent's flag."""
     done = rallypoint(
         "run", "--checkpoint-dir", str(tmp_path / "ckpt"), TRAIN, "1",
-        env={"RALLYPOINT_MEMORY_TIER": str(tmp_path / "nope")}, timeout=60,
+        env={"RALLYPOINT_MEMORY_TIER_DIR": str(tmp_path / "nope")}, timeout=60,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "memory= rank=0" in done.stdout
@@ -448,7 +448,7 @@ def test_the_memory_flags_reach_no_worker_without_the_tier(tmp_path: Path) -> No
 
 
 def _memory(pm: Any, tmp_path: Path) -> Any:
-    from rallypoint.agent.node_memory import NodeMemory
+    from rallypoint.agent.checkpoints.node_memory import NodeMemory
     from rallypoint.config import LaunchConfig
 
     script = tmp_path / "train.py"
@@ -570,7 +570,7 @@ def test_a_node_fetches_its_ranks_shares_from_the_member_that_holds_them(
         assert a.resume_step(assignment(0)) == 5
         assert b.resume_step(assignment(1)) == 5
         assert b.shares() == {5: {1: 2}}
-        worker = {"RALLYPOINT_MEMORY_TIER": str(b.path), "RALLYPOINT_CHECKPOINT_STEP": "5"}
+        worker = {"RALLYPOINT_MEMORY_TIER_DIR": str(b.path), "RALLYPOINT_CHECKPOINT_STEP": "5"}
         for name, value in {**worker, "RANK": "1", "WORLD_SIZE": "2"}.items():
             monkeypatch.setenv(name, value)
         target = {"w": torch.zeros(100)}

@@ -1,8 +1,8 @@
-"""The peer checkpoint port (rallypoint.agent.peers) against a hostile peer: names from a peer
-are names, never paths (on a put, a get, and a durable checkpoint someone else wrote); the
-work a connection costs before it proves the job's token is bounded; and, fuzzed, the
-parsers of both ends raise nothing but their documented errors, write nothing outside their
-root and read no frame over its bound."""
+"""The peer checkpoint port (rallypoint.agent.checkpoints.peers) against a hostile peer: names
+from a peer are names, never paths (on a put, a get, and a durable checkpoint someone else
+wrote); the work a connection costs before it proves the job's token is bounded; and, fuzzed,
+the parsers of both ends raise nothing but their documented errors, write nothing outside
+their root and read no frame over its bound."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rallypoint import events
-from rallypoint.agent import peer_server, peer_wire, peers, resume
+from rallypoint.agent.checkpoints import peer_server, peer_wire, peers, resume
 from rallypoint.checkpoint import Checkpointer, FileStorage
 from rallypoint.checkpoint import manifest as mf
 from rallypoint.checkpoint.tier import Held, Tier
@@ -229,7 +229,7 @@ def test_the_agent_counts_what_it_refuses_on_put_and_get(
 ) -> None:
     """A node's agent refuses an unsafe put (logged once, a peer_refused event each), and an
     unsafe manifest a member sends it for the round's step (the member's address named)."""
-    from rallypoint.agent.node_memory import NodeMemory
+    from rallypoint.agent.checkpoints.node_memory import NodeMemory
     from rallypoint.config import LaunchConfig
     from rallypoint.events import RoundInfo
     from rallypoint.interfaces import Assignment

@@ -106,8 +106,8 @@ def test_what_is_counted_is_what_the_agent_gives(script: str, nnodes: str) -> No
     """The arenas' budget is the workers' RALLYPOINT_MEMORY_TIER_BYTES, the peer tier's the
     one ``NodeMemory`` gives it, and there is a peer tier to count only where the agent
     serves its peers."""
-    from rallypoint.agent.environment import worker_environment
-    from rallypoint.agent.node_memory import NodeMemory
+    from rallypoint.agent.checkpoints.node_memory import NodeMemory
+    from rallypoint.agent.processes.environment import worker_environment
     from rallypoint.events import RoundInfo
     from rallypoint.interfaces import Assignment
     from rallypoint.worker import variables
@@ -120,7 +120,7 @@ def test_what_is_counted_is_what_the_agent_gives(script: str, nnodes: str) -> No
     assignment = Assignment(RoundInfo(0, 0, 1, 1, "127.0.0.1", 1, ("a",)), (1,))
     environ = worker_environment(
         config, assignment, 0, "error.json", node_id="a", restart_count=0,
-        checkpoint_memory="/dev/shm/x", base={},
+        memory_tier_dir="/dev/shm/x", base={},
     )  # fmt: skip
     assert int(environ[variables.CHECKPOINT_MEMORY_BYTES]) == arenas.size
     memory = NodeMemory(config, "127.0.0.1", lambda *args, **kwargs: None)

@@ -1,4 +1,4 @@
-"""The round's resume step (``rallypoint.agent.resume``): decided from the offers alone,
+"""The round's resume step (``rallypoint.agent.checkpoints.resume``): decided from the offers alone,
 the same on every member, with what each member must fetch."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rallypoint.agent.resume import Decision, decide, decode, encode
+from rallypoint.agent.checkpoints.resume import Decision, decide, decode, encode
 
 
 def test_an_offer_reads_back_as_it_was_written() -> None:

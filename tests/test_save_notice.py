@@ -16,9 +16,8 @@ import torch
 
 import launch
 from launch import assert_no_worker_left, wait_for_text, worker
-from rallypoint.agent.notice import SaveNotice, notice_step
-from rallypoint.worker import channel
-from rallypoint.worker import notice as worker_notice
+from rallypoint.agent.checkpoints.save_notice import SaveNotice, notice_step
+from rallypoint.worker import channel, notice_watch
 
 
 def test_the_notice_step_leaves_time_for_every_worker_to_hear_of_it() -> None:
@@ -32,29 +31,29 @@ def test_the_notice_step_leaves_time_for_every_worker_to_hear_of_it() -> None:
 @pytest.fixture
 def notice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SaveNotice]:
     made = SaveNotice(tmp_path)
-    monkeypatch.setenv(worker_notice.ENV, str(made.path))
-    monkeypatch.setattr(worker_notice, "_opened", False)
-    monkeypatch.setattr(worker_notice, "_announced", False)
-    monkeypatch.setattr(worker_notice, "_view", None)
+    monkeypatch.setenv(notice_watch.ENV, str(made.path))
+    monkeypatch.setattr(notice_watch, "_opened", False)
+    monkeypatch.setattr(notice_watch, "_announced", False)
+    monkeypatch.setattr(notice_watch, "_view", None)
     yield made
     made.close()
-    worker_notice._view = None  # mapped from the closed file
+    notice_watch._view = None  # mapped from the closed file
 
 
 def test_a_worker_saves_every_n_steps_and_at_the_notice(notice: SaveNotice) -> None:
-    assert [s for s in range(1, 25) if worker_notice.should_save(s, every=10)] == [10, 20]
+    assert [s for s in range(1, 25) if notice_watch.should_save(s, every=10)] == [10, 20]
     notice.give(13)
-    assert [s for s in range(11, 16) if worker_notice.should_save(s, every=10)] == [13, 14, 15]
+    assert [s for s in range(11, 16) if notice_watch.should_save(s, every=10)] == [13, 14, 15]
     notice.reset()
-    assert not worker_notice.should_save(13, every=10)
+    assert not notice_watch.should_save(13, every=10)
 
 
 def test_outside_rallypoint_should_save_is_the_interval(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(worker_notice.ENV, raising=False)
-    monkeypatch.setattr(worker_notice, "_opened", False)
-    monkeypatch.setattr(worker_notice, "_view", None)
-    assert [s for s in range(1, 8) if worker_notice.should_save(s, every=3)] == [3, 6]
-    assert not worker_notice.requested(5)
+    monkeypatch.delenv(notice_watch.ENV, raising=False)
+    monkeypatch.setattr(notice_watch, "_opened", False)
+    monkeypatch.setattr(notice_watch, "_view", None)
+    assert [s for s in range(1, 8) if notice_watch.should_save(s, every=3)] == [3, 6]
+    assert not notice_watch.requested(5)
 
 
 def test_the_agent_waits_for_the_workers_that_watch_until_they_hold(notice: SaveNotice) -> None:

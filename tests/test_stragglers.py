@@ -1,4 +1,4 @@
-"""Stragglers (``--straggler-factor``, ``rallypoint.agent.stragglers``): a node made slow
+"""Stragglers (``--straggler-factor``, ``rallypoint.agent.monitoring.stragglers``): a node made slow
 on purpose in a real two-node job, and the rules on paces whose answer is known."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from launch import rallypoint, worker
 from rallypoint import goodput
-from rallypoint.agent.stragglers import stragglers
+from rallypoint.agent.monitoring.stragglers import stragglers
 from rallypoint.rendezvous import records
 
 TRAIN = worker("mem_train.py")
@@ -78,7 +78,7 @@ def test_a_bad_straggler_factor_is_one_sentence(value: str) -> None:
 def test_a_node_s_pace_is_its_least_busy_worker_s(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 0 saving checkpoints works more per step than its node's other ranks: the node
     is as fast as its least busy worker."""
-    from rallypoint.agent import stragglers as module
+    from rallypoint.agent.monitoring import stragglers as module
 
     cpu = {1: 0.0, 2: 0.0}
     monkeypatch.setattr(module, "_cpu_seconds", lambda pid: cpu[pid])

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from launch import rallypoint, torchrun, worker
-from rallypoint.agent import numa
+from rallypoint.agent.processes import numa
 from rallypoint.errors import UsageError
 
 LAUNCHERS = {"rallypoint": lambda *a, **k: rallypoint("run", *a, **k), "torchrun": torchrun}

@@ -20,13 +20,13 @@ from typing import Any
 import pytest
 
 from launch import RALLYPOINT, clean_environment, rallypoint, wait_gone, worker
-from rallypoint.agent import zygote
-from rallypoint.agent.environment import PER_WORKER, job_environment, worker_environment
-from rallypoint.agent.keeper import Keeper
-from rallypoint.agent.logs import WorkerLogs
-from rallypoint.agent.preload import imported
-from rallypoint.agent.warm import WarmStart
-from rallypoint.agent.workers import WorkerSpec
+from rallypoint.agent.processes import zygote
+from rallypoint.agent.processes.environment import PER_WORKER, job_environment, worker_environment
+from rallypoint.agent.processes.keeper import Keeper
+from rallypoint.agent.processes.preload import imported
+from rallypoint.agent.processes.warm import WarmStart
+from rallypoint.agent.processes.worker_logs import WorkerLogs
+from rallypoint.agent.processes.workers import WorkerSpec
 from rallypoint.config import LaunchConfig
 from rallypoint.events import RoundInfo
 from rallypoint.interfaces import Assignment

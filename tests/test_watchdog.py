@@ -16,8 +16,8 @@ import pytest
 import rallypoint
 from launch import events
 from launch import rallypoint as run_rallypoint
-from rallypoint.agent.failures import describe_exit, describe_failure
-from rallypoint.agent.watchdog import Watchdog
+from rallypoint.agent.monitoring.failures import describe_exit, describe_failure
+from rallypoint.agent.monitoring.watchdog import Watchdog
 from rallypoint.config import LaunchConfig
 from rallypoint.errors import UsageError
 from rallypoint.events import WorkerFailure

@@ -1,7 +1,7 @@
 """The framing the agent, its keeper and the preloaded interpreter speak
-(``rallypoint.agent.wire``): whole messages with their descriptors, and every broken
+(``rallypoint.agent.processes.wire``): whole messages with their descriptors, and every broken
 stream refused the same way; and the length-prefixed frames under it and under the peer
-transfers (``rallypoint.agent.framing``)."""
+transfers (``rallypoint.agent.processes.framing``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from rallypoint.agent import framing, wire
+from rallypoint.agent.processes import framing, wire
 
 
 @pytest.fixture

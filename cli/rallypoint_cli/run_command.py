@@ -60,7 +60,7 @@ def register(app: typer.Typer, pm: PluginManager) -> None:
         """Launch SCRIPT on this node's workers, like torchrun, and keep it running."""
         config = LaunchConfig.from_flags(pm.registry, **ctx.params)
         preflight(config)
-        from rallypoint.agent.elastic import Agent
+        from rallypoint.agent.statemachine.elastic import Agent
 
         raise typer.Exit(Agent(config, pm).run_job())
 

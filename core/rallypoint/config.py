@@ -146,7 +146,7 @@ class LaunchConfig:
     numa_binding: str | None  # node, socket, exclusive or core-complex
     virtual_local_rank: bool
     #: Workers forked from an interpreter that imported torch and ``preload`` already
-    #: (``rallypoint.agent.warm``); ``--warm-start off``: each starts a fresh one.
+    #: (``rallypoint.agent.processes.warm``); ``--warm-start off``: each starts a fresh one.
     warm_start: bool
     preload: tuple[str, ...]
     #: ``--checkpoint-memory``: the bytes of shared memory a node's checkpoints may take

@@ -33,7 +33,7 @@ AGENT_STOPPING = "agent_stopping"
 #: At most one every 2 s while the step moves, and one when the workers stop.
 PROGRESS = "progress"
 #: This node's workers work markedly longer per step than the round's others (see
-#: ``rallypoint.agent.stragglers``): ``pace`` (its workers' CPU seconds per step),
+#: ``rallypoint.agent.monitoring.stragglers``): ``pace`` (its workers' CPU seconds per step),
 #: ``median`` (the other nodes' median pace), ``ratio``. Once per round.
 STRAGGLER = "straggler"
 #: Sent by workers (``rallypoint.checkpoint``) through their agent: ``step``, ``seconds``,

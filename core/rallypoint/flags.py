@@ -35,7 +35,7 @@ AUTO_NODES = "auto"
 WORKER_COUNTS = ("auto", "cpu", "gpu", "xpu")
 #: torch 2.13's event handlers (``torch.distributed.elastic.events.handlers``).
 EVENT_LOG_HANDLERS = ("console", "dynamic_rendezvous", "null")
-#: torchrun's ``--numa-binding`` modes (``rallypoint.agent.numa`` binds by them).
+#: torchrun's ``--numa-binding`` modes (``rallypoint.agent.processes.numa`` binds by them).
 NUMA_BINDINGS = ("node", "socket", "exclusive", "core-complex")
 #: torchrun's ``--start-method`` values: accepted, though workers start as warm start says.
 START_METHODS = ("spawn", "fork", "forkserver")

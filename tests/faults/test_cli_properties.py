@@ -30,7 +30,7 @@ from fault_setups import Recovery
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from rallypoint.agent import elastic
+from rallypoint.agent.statemachine import elastic
 from rallypoint.config import LaunchConfig
 from rallypoint_cli.main import main
 

@@ -14,7 +14,7 @@ import pytest
 from fault_setups import Recovery
 
 from launch import RALLYPOINT, clean_environment, events, worker
-from rallypoint.agent import oom
+from rallypoint.agent.processes import oom
 
 LIMIT = 400 << 20
 

@@ -422,7 +422,7 @@ SOURCES = [
 #: Modules that turn bytes into objects by running code.
 UNSAFE_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "marshal", "shelve"}
 #: The one exec: the preloaded interpreter runs the worker's own script, as `python SCRIPT`.
-RUNS_THE_SCRIPT = "core/rallypoint/agent/zygote.py"
+RUNS_THE_SCRIPT = "core/rallypoint/agent/processes/zygote.py"
 
 
 def test_no_source_can_unpickle() -> None:

@@ -43,7 +43,7 @@ args = parser.parse_args()
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
-memory = os.environ.get("RALLYPOINT_MEMORY_TIER", "")
+memory = os.environ.get("RALLYPOINT_MEMORY_TIER_DIR", "")
 print(f"memory={memory} rank={rank} pid={os.getpid()}", flush=True)
 state = {"w": torch.zeros(max(1, int(args.megabytes * 1e6 / 4)))}
 loaded = checkpoint.load_latest()

@@ -24,7 +24,7 @@ from typing import Any
 from rallypoint.checkpoint.checkpointer import URL_ENV, Checkpoint, Checkpointer
 from rallypoint.checkpoint.storage import FileStorage
 from rallypoint.interfaces import CheckpointError, CheckpointStorage
-from rallypoint.worker import notice
+from rallypoint.worker import notice_watch as notice
 
 __all__ = [
     "URL_ENV",

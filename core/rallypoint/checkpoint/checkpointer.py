@@ -27,7 +27,8 @@ from rallypoint.checkpoint.storage import FileStorage
 from rallypoint.checkpoint.tier import PEER, Tier
 from rallypoint.checkpoint.writers import ArenaSlot, DcpWriter, DurableWriter
 from rallypoint.interfaces import CheckpointError, CheckpointStorage
-from rallypoint.worker import notice, progress, variables
+from rallypoint.worker import notice_watch as notice
+from rallypoint.worker import progress, variables
 
 __all__ = [
     "PEER_FOLDER",
@@ -78,7 +79,7 @@ class Checkpointer:
         world_size: int | None = None,
     ) -> None:
         url = url or os.environ.get(URL_ENV)
-        memory = os.environ.get(variables.CHECKPOINT_MEMORY) if storage is None else None
+        memory = os.environ.get(variables.CHECKPOINT_MEMORY_DIR) if storage is None else None
         if storage is None and url:
             storage = open_storage(url)
         if storage is None and not memory:

@@ -10,8 +10,8 @@ see ``rallypoint.heartbeat``). A script that reports none is accounted at phase 
 its redone time is counted as training, and ``Account.steps_known`` says so.
 
 One ``Accountant`` (``accountant.py``) serves every reader: ``rallypoint report`` over the
-event logs (``logs.py``), the Prometheus sink live (``Accountant.snapshot``) and the goodput
-benchmark.
+event logs (``event_logs.py``), the Prometheus sink live (``Accountant.snapshot``) and the
+goodput benchmark.
 """
 
 from rallypoint.goodput.account import (
@@ -24,7 +24,7 @@ from rallypoint.goodput.account import (
     Snapshot,
 )
 from rallypoint.goodput.accountant import Accountant, account
-from rallypoint.goodput.logs import load, read
+from rallypoint.goodput.event_logs import load, read
 from rallypoint.goodput.phases import (
     CHECKPOINT,
     DETECTION,

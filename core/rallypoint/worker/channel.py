@@ -8,7 +8,7 @@ user can neither send to it nor fill its queue (short: ``net.unix.max_dgram_qlen
 would make the workers' sends fail. Were it reached all the same, the agent drops what a
 process of another user sends (the kernel's credentials of each datagram, Linux's
 ``SO_PASSCRED``). The agent removes the directory when it stops; its keeper does, if the
-agent is killed (``rallypoint.agent.keeper_server``).
+agent is killed (``rallypoint.agent.processes.keeper_server``).
 Sending never blocks and never fails the worker: without an agent, events are dropped.
 """
 
@@ -35,7 +35,7 @@ ENV = variables.EVENTS_SOCKET
 WORKER_EVENTS = frozenset({events.CHECKPOINT_SAVED, events.CHECKPOINT_LOADED, events.PEER_REFUSED})
 #: A worker's sign of progress: for the agent's watchdog only, never an event of the run.
 HEARTBEAT = "heartbeat"
-#: A worker's messages about saves on notice (``rallypoint.worker.notice``): for the agent
+#: A worker's messages about saves on notice (``rallypoint.worker.notice_watch``): for the agent
 #: only, like heartbeats.
 NOTICE_WATCHING = "notice_watching"
 NOTICE_HELD = "notice_held"

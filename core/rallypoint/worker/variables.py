@@ -1,6 +1,6 @@
 """The names of the environment variables a worker gets, and one way to read a number.
 
-The agent writes them (``rallypoint.agent.environment``); the worker-side modules read
+The agent writes them (``rallypoint.agent.processes.environment``); the worker-side modules read
 them. torchrun's are listed in docs/user-guide.md; rallypoint's start with ``RALLYPOINT_``.
 No ``RALLYPOINT_<FLAG>`` name of a ``rallypoint run`` flag is used here, so that a flag's
 variable in the agent's environment never switches anything on in its workers.
@@ -40,9 +40,10 @@ RENDEZVOUS_ROUND = "RALLYPOINT_RENDEZVOUS_ROUND"
 NODE_LOCAL_RANK = "RALLYPOINT_LOCAL_RANK"
 #: ``--checkpoint-dir``: where ``rallypoint.checkpoint`` saves.
 CHECKPOINT_URL = "RALLYPOINT_CHECKPOINT_URL"
-#: ``--checkpoint-memory``: the agent's directory in shared memory (``rallypoint.checkpoint``
-#: saves under its ``checkpoints/``), the bytes it may take, how many copies to keep.
-CHECKPOINT_MEMORY = "RALLYPOINT_MEMORY_TIER"
+#: ``--checkpoint-memory``: the memory tier's directory, the agent's in shared memory
+#: (``rallypoint.checkpoint`` saves under its ``arena/``), the bytes it may take, how many
+#: copies to keep.
+CHECKPOINT_MEMORY_DIR = "RALLYPOINT_MEMORY_TIER_DIR"
 CHECKPOINT_MEMORY_BYTES = "RALLYPOINT_MEMORY_TIER_BYTES"
 CHECKPOINT_MEMORY_KEEP = "RALLYPOINT_MEMORY_TIER_KEEP"
 #: The step every worker of the round resumes from, decided once for the round (the
@@ -50,7 +51,7 @@ CHECKPOINT_MEMORY_KEEP = "RALLYPOINT_MEMORY_TIER_KEEP"
 CHECKPOINT_STEP = "RALLYPOINT_CHECKPOINT_STEP"
 #: The agent's datagram socket for worker events (``rallypoint.worker.channel``).
 EVENTS_SOCKET = "RALLYPOINT_EVENTS_SOCKET"
-#: The agent's save-on-notice file (``rallypoint.worker.notice``).
+#: The agent's save-on-notice file (``rallypoint.worker.notice_watch``).
 SAVE_NOTICE = "RALLYPOINT_SAVE_NOTICE"
 #: The job's secret, which the agent reads and no worker inherits.
 JOB_TOKEN = "RALLYPOINT_JOB_TOKEN"

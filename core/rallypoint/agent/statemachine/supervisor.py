@@ -1,9 +1,9 @@
 """This node's worker groups: starting one for a round, and describing how one failed.
 
-Workers start through the keeper (``rallypoint.agent.keeper``), warm or cold
-(``rallypoint.agent.warm``), each with its environment, its output routed for the attempt
-(``rallypoint.agent.logs``) and its CPUs (``--numa-binding``). When one fails, the rest are
-stopped and the failure is described, root cause first (``rallypoint.agent.failures``).
+Workers start through the keeper (``rallypoint.agent.processes.keeper``), warm or cold
+(``processes.warm``), each with its environment, its output routed for the attempt
+(``processes.worker_logs``) and its CPUs (``--numa-binding``). When one fails, the rest are
+stopped and the failure is described, root cause first (``rallypoint.agent.monitoring.failures``).
 """
 
 from __future__ import annotations
@@ -17,16 +17,22 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rallypoint import events
-from rallypoint.agent import numa
-from rallypoint.agent.environment import worker_environment
-from rallypoint.agent.eventbus import EventBus
-from rallypoint.agent.failures import FailureReport, build_report, failure_of
-from rallypoint.agent.keeper import Keeper
-from rallypoint.agent.logs import STDERR, STDOUT, AttemptLogs, TorchLogsSpecs, default_logs
-from rallypoint.agent.notice import SaveNotice
-from rallypoint.agent.oom import cgroup_kills, oom_killed
-from rallypoint.agent.warm import WarmStart
-from rallypoint.agent.workers import Worker, WorkerGroup, WorkerSpec
+from rallypoint.agent.checkpoints.save_notice import SaveNotice
+from rallypoint.agent.monitoring.eventbus import EventBus
+from rallypoint.agent.monitoring.failures import FailureReport, build_report, failure_of
+from rallypoint.agent.processes import numa
+from rallypoint.agent.processes.environment import worker_environment
+from rallypoint.agent.processes.keeper import Keeper
+from rallypoint.agent.processes.oom import cgroup_kills, oom_killed
+from rallypoint.agent.processes.warm import WarmStart
+from rallypoint.agent.processes.worker_logs import (
+    STDERR,
+    STDOUT,
+    AttemptLogs,
+    TorchLogsSpecs,
+    default_logs,
+)
+from rallypoint.agent.processes.workers import Worker, WorkerGroup, WorkerSpec
 from rallypoint.config import LaunchConfig
 from rallypoint.interfaces import Assignment
 from rallypoint.worker.channel import Receiver
@@ -91,7 +97,7 @@ class WorkerSupervisor:
                 restart_count=restarts,
                 events_socket=self.receiver.address,
                 metrics_dir=None if self.metrics_dir is None else str(self.metrics_dir),
-                checkpoint_memory=None if self.memory_path is None else str(self.memory_path),
+                memory_tier_dir=None if self.memory_path is None else str(self.memory_path),
                 checkpoint_step=resume,
                 save_notice=None if self.notice is None else str(self.notice.path),
             )
@@ -150,7 +156,7 @@ class WorkerSupervisor:
         )
 
     def keeper(self) -> Keeper:
-        """The keeper that starts this node's workers (``rallypoint.agent.keeper``); a new
+        """The keeper that starts this node's workers (``rallypoint.agent.processes.keeper``); a new
         one if the last was killed (its workers died with it: a worker failure)."""
         if self._kept is not None and self._kept.gone:
             logger.warning("%s; starting a new one", self._kept.death())

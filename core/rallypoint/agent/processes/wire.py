@@ -10,13 +10,12 @@ and a request to start a cold worker or the preloaded interpreter carries a whol
 environment, which ``exec`` accepts up to a quarter of the stack limit (2 MiB by
 default). A packet larger than the reader's buffer is cut silently, too; a length is
 checked against ``MAX_MESSAGE`` before anything is read. The frames are
-``rallypoint.agent.framing``'s, the peer transfers' too; what is this channel's own is
+``rallypoint.agent.processes.framing``'s, the peer transfers' too; what is this channel's own is
 here: the descriptors that travel with a frame's first bytes, and sending the rest of a
 frame a signal cut short.
 
 Stdlib-only and importing nothing of rallypoint (``framing`` relatively): the keeper and
-the preloaded interpreter import it without the package (``rallypoint.agent.keeper_server``,
-``zygote``).
+the preloaded interpreter import it without the package (``keeper_server``, ``zygote``).
 """
 
 from __future__ import annotations

@@ -29,20 +29,25 @@ from pathlib import Path
 from typing import Any
 
 from rallypoint import events
-from rallypoint.agent.eventbus import EventBus
-from rallypoint.agent.failures import write_error_record
-from rallypoint.agent.judge import EXIT_SUCCESS, EXIT_WORKER_FAILURE, RestartJudge, Stop
-from rallypoint.agent.monitor import Outcome, WorkerMonitor
-from rallypoint.agent.node_memory import NodeMemory
-from rallypoint.agent.notice import SaveNotice
-from rallypoint.agent.notice_saver import NoticeSaver
-from rallypoint.agent.rendezvous_handler import create_handler
-from rallypoint.agent.restarts import MEMBERSHIP, Failure, Restarts
-from rallypoint.agent.signals import SignalWatch
-from rallypoint.agent.sinks import create_sinks
-from rallypoint.agent.stragglers import Pace
-from rallypoint.agent.supervisor import WorkerSupervisor
-from rallypoint.agent.workers import WorkerGroup
+from rallypoint.agent.checkpoints.node_memory import NodeMemory
+from rallypoint.agent.checkpoints.notice_saver import NoticeSaver
+from rallypoint.agent.checkpoints.save_notice import SaveNotice
+from rallypoint.agent.monitoring.eventbus import EventBus
+from rallypoint.agent.monitoring.failures import write_error_record
+from rallypoint.agent.monitoring.sinks import create_sinks
+from rallypoint.agent.monitoring.stragglers import Pace
+from rallypoint.agent.processes.workers import WorkerGroup
+from rallypoint.agent.statemachine.judge import (
+    EXIT_SUCCESS,
+    EXIT_WORKER_FAILURE,
+    RestartJudge,
+    Stop,
+)
+from rallypoint.agent.statemachine.monitor import Outcome, WorkerMonitor
+from rallypoint.agent.statemachine.rendezvous_handler import create_handler
+from rallypoint.agent.statemachine.restarts import MEMBERSHIP, Failure, Restarts
+from rallypoint.agent.statemachine.signals import SignalWatch
+from rallypoint.agent.statemachine.supervisor import WorkerSupervisor
 from rallypoint.config import LaunchConfig
 from rallypoint.errors import RallypointError
 from rallypoint.events import RoundInfo, RunInfo

@@ -13,12 +13,12 @@ import logging
 import time
 
 from rallypoint import events
-from rallypoint.agent.eventbus import EventBus
-from rallypoint.agent.signals import SignalWatch
-from rallypoint.agent.steps import Progress
-from rallypoint.agent.stragglers import Pace, stragglers
-from rallypoint.agent.watchdog import Watchdog
-from rallypoint.agent.workers import WorkerGroup
+from rallypoint.agent.monitoring.eventbus import EventBus
+from rallypoint.agent.monitoring.steps import Progress
+from rallypoint.agent.monitoring.stragglers import Pace, stragglers
+from rallypoint.agent.monitoring.watchdog import Watchdog
+from rallypoint.agent.processes.workers import WorkerGroup
+from rallypoint.agent.statemachine.signals import SignalWatch
 from rallypoint.config import LaunchConfig
 from rallypoint.interfaces import RendezvousHandler
 

@@ -29,8 +29,8 @@ package ``_rallypoint_zygote``, which leaves ``sys.modules`` before the first pr
 ``PRELOADS`` is a comma-separated list; ``PADDING`` (spaces) makes room in the process's
 argument area for the command line a cold worker would have, which each worker writes
 there, so that ``ps`` and ``pgrep -f`` show it as they would. It talks to the keeper over
-the socket on descriptor 3 (``rallypoint.agent.wire``), a worker's stdout and stderr passed
-with its ``spawn`` request.
+the socket on descriptor 3 (``wire``), a worker's stdout and stderr passed with its ``spawn``
+request.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """This node's memory checkpoints (``--checkpoint-memory``), which the agent owns.
 
 The agent makes a directory in shared memory (``/dev/shm``) when it starts and hands it
-to its workers (``RALLYPOINT_MEMORY_TIER``): each worker's saves go to its arena under
+to its workers (``RALLYPOINT_MEMORY_TIER_DIR``): each worker's saves go to its arena under
 ``arena/`` (``rallypoint.checkpoint.arena``), so a save costs a copy in memory, and the
 copy outlives a worker's crash and its restart. In the background, while the workers
 train on, the agent, holding the copy against a rewrite while it reads it,
 
 * sends each new memory checkpoint to the next node of the round (group rank + 1), whose
-  agent keeps the newest under ``peer/`` (``rallypoint.agent.peers``): a node lost loses
+  agent keeps the newest under ``peer/`` (``rallypoint.agent.checkpoints.peers``): a node lost loses
   no checkpoint;
 * copies every K-th one (``--checkpoint-persist-every``), and the newest when it stops (a
   signal, the job's end, a failure for good), to ``--checkpoint-dir``: the copies its own
@@ -15,7 +15,7 @@ train on, the agent, holding the copy against a rewrite while it reads it,
 
 Each round, every agent offers the others its server's address and the copies it holds
 (``NodeRecord.offer``); the round record carries every offer, so every agent computes the
-same step for the round to resume from (``rallypoint.agent.resume``), fetches the copies
+same step for the round to resume from (``rallypoint.agent.checkpoints.resume``), fetches the copies
 its workers need and it lacks from a member that holds them, and tells its workers
 (``RALLYPOINT_CHECKPOINT_STEP``). Sharded saves (``save_sharded``) are copied rank by
 rank: each rank's share to the peer and to ``--checkpoint-dir`` (``sharded/rank-R/``).
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from rallypoint import events
-from rallypoint.agent import peer_server, peer_wire, peers, resume
+from rallypoint.agent.checkpoints import peer_server, peer_wire, peers, resume
 from rallypoint.checkpoint import manifest as mf
 from rallypoint.checkpoint import slot
 from rallypoint.checkpoint.checkpointer import PEER_FOLDER, open_storage, ranks_tier, shared_ranks
@@ -224,10 +224,10 @@ class NodeMemory:
         self._ending = True
 
     def resume_step(self, assignment: Assignment) -> int | None:
-        """The step every member of this round resumes from (``rallypoint.agent.resume``:
-        the same on every node, from the same round record). Copies this node's workers
-        will need and it does not hold are fetched from a member that does first; None when
-        no member holds a usable one (the workers load from durable storage)."""
+        """The step every member of this round resumes from (``resume``: the same on every
+        node, from the same round record). Copies this node's workers will need and it does
+        not hold are fetched from a member that does first; None when no member holds a
+        usable one (the workers load from durable storage)."""
         self._ending = False
         info = assignment.info
         offers = assignment.offers or ({},) * info.group_world_size

@@ -8,7 +8,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from rallypoint.agent.eventbus import NamedSink, TorchConsoleEvents
+from rallypoint.agent.monitoring.eventbus import NamedSink, TorchConsoleEvents
 from rallypoint.config import LaunchConfig
 from rallypoint.events import RunInfo
 from rallypoint.extensions import SinkContext

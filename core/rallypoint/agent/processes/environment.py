@@ -19,8 +19,8 @@ from rallypoint.interfaces import Assignment
 from rallypoint.worker import variables
 
 #: ``--checkpoint-memory``'s variables: set per worker, and never inherited from the agent.
-MEMORY_TIER = (
-    variables.CHECKPOINT_MEMORY,
+MEMORY_TIER_VARIABLES = (
+    variables.CHECKPOINT_MEMORY_DIR,
     variables.CHECKPOINT_MEMORY_BYTES,
     variables.CHECKPOINT_MEMORY_KEEP,
     variables.CHECKPOINT_STEP,
@@ -53,7 +53,7 @@ PER_WORKER = frozenset(
         variables.NODE_LOCAL_RANK,
         variables.CUDA_VISIBLE_DEVICES,  # --virtual-local-rank
         variables.CHECKPOINT_URL,
-        *MEMORY_TIER,
+        *MEMORY_TIER_VARIABLES,
         variables.EVENTS_SOCKET,
         variables.METRICS_DIR,
         variables.PROGRESS_TIMEOUT,
@@ -76,7 +76,7 @@ def job_environment(config: LaunchConfig, base: Mapping[str, str] | None = None)
         variables.PROGRESS_TIMEOUT,
         variables.SAVE_NOTICE,
         variables.JOB_TOKEN,
-        *MEMORY_TIER,
+        *MEMORY_TIER_VARIABLES,
     ):
         environ.pop(name, None)
     return environ
@@ -92,7 +92,7 @@ def worker_environment(
     restart_count: int,
     events_socket: str | None = None,
     metrics_dir: str | None = None,
-    checkpoint_memory: str | None = None,
+    memory_tier_dir: str | None = None,
     checkpoint_step: int | None = None,
     save_notice: str | None = None,
     base: Mapping[str, str] | None = None,
@@ -130,7 +130,7 @@ def worker_environment(
     watchdog = f"{config.watchdog_timeout:g}" if config.watchdog_timeout else None
     optional = {
         variables.CHECKPOINT_URL: config.checkpoint_dir,
-        variables.CHECKPOINT_MEMORY: checkpoint_memory,
+        variables.CHECKPOINT_MEMORY_DIR: memory_tier_dir,
         variables.CHECKPOINT_STEP: None if checkpoint_step is None else str(checkpoint_step),
         variables.EVENTS_SOCKET: events_socket,
         variables.METRICS_DIR: metrics_dir,
@@ -138,7 +138,7 @@ def worker_environment(
         variables.SAVE_NOTICE: save_notice,
     }
     environ.update({name: value for name, value in optional.items() if value})
-    if checkpoint_memory:
+    if memory_tier_dir:
         environ[variables.CHECKPOINT_MEMORY_BYTES] = str(config.checkpoint_memory)
         environ[variables.CHECKPOINT_MEMORY_KEEP] = str(config.checkpoint_memory_keep)
     return environ

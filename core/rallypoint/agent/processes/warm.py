@@ -1,8 +1,8 @@
 """Warm start: workers forked from an interpreter that has already imported torch.
 
-The keeper starts the preloaded interpreter (``rallypoint.agent.zygote``) when the agent
+The keeper starts the preloaded interpreter (``rallypoint.agent.processes.zygote``) when the agent
 starts, so that its imports run while the rendezvous does: torch and rallypoint when the
-worker's program imports them (``rallypoint.agent.preload``), and every ``--preload``
+worker's program imports them (``rallypoint.agent.processes.preload``), and every ``--preload``
 module. It lives as long
 as the keeper, so every restart forks from it at once. A worker starts cold (a fresh interpreter, as
 torchrun starts it) when warm start is off (``--warm-start off``), when there is no Python
@@ -23,11 +23,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rallypoint.agent import zygote
-from rallypoint.agent.environment import PER_WORKER, WorkerCommand, job_environment
-from rallypoint.agent.keeper import Keeper, WarmRefused
-from rallypoint.agent.preload import imported
-from rallypoint.agent.workers import WorkerSpec
+from rallypoint.agent.processes import zygote
+from rallypoint.agent.processes.environment import PER_WORKER, WorkerCommand, job_environment
+from rallypoint.agent.processes.keeper import Keeper, WarmRefused
+from rallypoint.agent.processes.preload import imported
+from rallypoint.agent.processes.workers import WorkerSpec
 from rallypoint.config import LaunchConfig
 
 logger = logging.getLogger("rallypoint.agent")

@@ -1,6 +1,6 @@
 """Which step a round resumes from, and which memory copies this node must fetch first:
 a decision made from the round record alone, so that every agent makes the same one
-(``rallypoint.agent.node_memory`` acts on it).
+(``rallypoint.agent.checkpoints.node_memory`` acts on it).
 
 Each agent offers the round what its node's memory holds (``offer``): the whole states
 (``save``: the steps), and the ranks' shares of sharded states (``save_sharded``: for each

@@ -1,8 +1,8 @@
 """The one length-prefixed framing of rallypoint's streams: a 4-byte big-endian length, then
-that many bytes. The worker channel (``rallypoint.agent.wire``: the agent, its keeper and
-the preloaded interpreter) and the checkpoint transfers between agents
-(``rallypoint.agent.peer_wire``) both speak it, each with its own bounds, which the caller
-passes: every length is a hostile number until it is checked against one.
+that many bytes. The worker channel (``rallypoint.agent.processes.wire``: the agent, its
+keeper and the preloaded interpreter) and the checkpoint transfers between agents
+(``rallypoint.agent.checkpoints.peer_wire``) both speak it, each with its own bounds, which
+the caller passes: every length is a hostile number until it is checked against one.
 
 Reading a frame asks the stream for at most ``CHUNK`` bytes at a time, so that its memory
 grows with what arrives, never with what a header claims; each ask is bounded by the
@@ -10,8 +10,7 @@ stream's own timeout (the peer transfers') and either brings a byte or ends the 
 frame takes at most as many asks as its bytes.
 
 Stdlib-only and importing nothing of rallypoint: the keeper and the preloaded interpreter
-import it, with ``wire``, without the package (``rallypoint.agent.keeper_server``,
-``zygote``).
+import it, with ``wire``, without the package (``keeper_server``, ``zygote``).
 """
 
 from __future__ import annotations

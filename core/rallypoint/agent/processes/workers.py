@@ -1,7 +1,7 @@
 """Worker processes: start them, route their output, notice when they end, stop them.
 
 Workers never outlive the agent, nor does anything they start: the agent's keeper
-(``rallypoint.agent.keeper``) forks them, each in a session of its own and with
+(``rallypoint.agent.processes.keeper``) forks them, each in a session of its own and with
 ``PR_SET_PDEATHSIG``, and as a subreaper it kills every process they leave behind when a
 group stops and when the agent dies. Exits are reported by the keeper the moment they
 happen, not found by a polling sleep.
@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from rallypoint.agent.keeper import Keeper, KeeperGone, KeptProcess
-from rallypoint.agent.logs import STDERR, STDOUT, WorkerLogs
+from rallypoint.agent.processes.keeper import Keeper, KeeperGone, KeptProcess
+from rallypoint.agent.processes.worker_logs import STDERR, STDOUT, WorkerLogs
 from rallypoint.errors import RallypointError
 
 logger = logging.getLogger("rallypoint.agent")
@@ -52,8 +52,8 @@ class WorkerSpec:
 
     Attributes:
         local_rank, rank: its place on the node and in the job.
-        env: its whole environment (``rallypoint.agent.environment``).
-        output: where its output goes (``rallypoint.agent.logs``).
+        env: its whole environment (``rallypoint.agent.processes.environment``).
+        output: where its output goes (``rallypoint.agent.processes.worker_logs``).
         cpus: the CPUs it may run on (``--numa-binding``); None: any.
     """
 

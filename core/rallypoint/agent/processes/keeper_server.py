@@ -22,18 +22,18 @@ the same moment, nothing is left to clean up: a container or a cgroup of the job
 Kubernetes and Slurm give each job) is the last line there.
 
 Warm start: asked to (``prepare``), the keeper also starts the preloaded interpreter
-(``rallypoint.agent.zygote``), and hands it the ``spawn`` requests marked ``warm``: it forks
+(``zygote``), and hands it the ``spawn`` requests marked ``warm``: it forks
 the worker, and its answer and its workers' exits come back through the keeper. Such a
 worker is the zygote's child, not the keeper's, but it dies with the zygote, which dies
 with the keeper, and whatever it leaves behind comes to the keeper all the same.
 
-The agent's side is ``rallypoint.agent.keeper``, which starts this module in an isolated
+The agent's side is ``rallypoint.agent.processes.keeper``, which starts this module in an isolated
 interpreter without site-packages (``python -I -S -c BOOT FOLDER FD``): this module and its
 siblings are stdlib-only and import each other relatively, so that BOOT can import them
 from their folder as the package ``_rallypoint_keeper``. Imported as rallypoint's, with
 site-packages, they would take the keeper's start-up from some 30 ms to 75 and add a
 quarter to its memory (pluggy and rallypoint's own imports). Messages both ways are
-``rallypoint.agent.wire``'s; a ``spawn`` request carries the worker's stdout and stderr.
+``rallypoint.agent.processes.wire``'s; a ``spawn`` request carries the worker's stdout and stderr.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ class _Keeper:
         return {"op": "spawned", "pid": pid}
 
     def prepare(self, message: dict[str, Any]) -> dict[str, Any]:
-        """Start the preloaded interpreter (``rallypoint.agent.zygote``), on the keeper's own
+        """Start the preloaded interpreter (``zygote``), on the keeper's own
         stdout and stderr, its socket on the descriptor it expects; it says when ready."""
         self.stop_zygote()
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

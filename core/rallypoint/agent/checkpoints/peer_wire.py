@@ -1,9 +1,9 @@
-"""The wire of the checkpoint transfers between agents (``rallypoint.agent.peers``).
+"""The wire of the checkpoint transfers between agents (``rallypoint.agent.checkpoints.peers``).
 
 Memory checkpoints between agents: each agent serves the copies it holds, and sends its
 newest to the next node of the round, so that the loss of a node loses no checkpoint.
 
-One TCP connection per request. A frame is ``rallypoint.agent.framing``'s, a 4-byte
+One TCP connection per request. A frame is ``rallypoint.agent.processes.framing``'s, a 4-byte
 big-endian length and that many bytes, a JSON object; each kind of frame has a bound, and
 a length over it is refused before anything more is read. The messages, in order:
 
@@ -52,7 +52,7 @@ import re
 from typing import Any, BinaryIO
 
 from rallypoint import job_token
-from rallypoint.agent import framing
+from rallypoint.agent.processes import framing
 from rallypoint.checkpoint import manifest as mf
 from rallypoint.checkpoint.tier import Held, Tier
 from rallypoint.interfaces import CheckpointError

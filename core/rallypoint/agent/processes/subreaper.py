@@ -4,7 +4,7 @@ ended, killing all of them, and tying a child's life to its parent's.
 The agent and its keeper are subreapers (``kill_children`` stops what is below them); the
 keeper and the preloaded interpreter reap their children and tie each to themselves
 (``die_with``). Stdlib-only and importing nothing of rallypoint: those two import it
-without the package (``rallypoint.agent.keeper_server``, ``zygote``).
+without the package (``rallypoint.agent.processes.keeper_server``, ``zygote``).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from rallypoint.agent.workers import Worker
+from rallypoint.agent.processes.workers import Worker
 from rallypoint.events import WorkerFailure
 
 logger = logging.getLogger("rallypoint.agent")

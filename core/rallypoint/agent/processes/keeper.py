@@ -1,8 +1,8 @@
-"""The agent's side of its keeper (``rallypoint.agent.keeper_server`` says what the keeper
+"""The agent's side of its keeper (``rallypoint.agent.processes.keeper_server`` says what the keeper
 is): start it, have it start workers and the preloaded interpreter, learn of their exits.
 
 The keeper is the agent's child in a session of its own, and the two talk over a socket
-pair (``rallypoint.agent.wire``): the agent sends requests, each with an ``id`` its answer
+pair (``rallypoint.agent.processes.wire``): the agent sends requests, each with an ``id`` its answer
 carries back; the keeper also sends news unasked (a worker's exit, the preloaded
 interpreter ready or gone), which ``Keeper.pump`` reads.
 """
@@ -21,8 +21,8 @@ import time
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from rallypoint.agent import wire, zygote
-from rallypoint.agent.subreaper import KILL_BOUND, become_subreaper, kill_children
+from rallypoint.agent.processes import wire, zygote
+from rallypoint.agent.processes.subreaper import KILL_BOUND, become_subreaper, kill_children
 
 #: How the keeper starts, in ``python -I -S -c BOOT FOLDER FD``: its module and the siblings
 #: it imports, from FOLDER, as the package ``_rallypoint_keeper`` (``keeper_server`` says why).
@@ -111,7 +111,7 @@ class Keeper:
     def spawn_warm(
         self, worker: dict[str, Any], stdout: int, stderr: int, cpus: Collection[int] | None
     ) -> int:
-        """Have the preloaded interpreter fork a worker (``rallypoint.agent.zygote`` says
+        """Have the preloaded interpreter fork a worker (``rallypoint.agent.processes.zygote`` says
         what ``worker`` holds); its pid. ``WarmRefused`` when it did not."""
         request: dict[str, Any] = {"op": "spawn", "warm": True, **worker, "cwd": os.getcwd()}
         request["cpus"] = None if cpus is None else sorted(cpus)

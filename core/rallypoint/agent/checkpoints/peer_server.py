@@ -1,5 +1,5 @@
 """The server of the checkpoint transfers between agents: what a node serves its peers, and
-what it keeps of theirs (the wire: ``rallypoint.agent.peer_wire``).
+what it keeps of theirs (the wire: ``rallypoint.agent.checkpoints.peer_wire``).
 
 Before a request is verified, a connection costs the server little: one thread waits on
 all of them (``selectors``), each gets ``HANDSHAKE`` seconds in all to send its request,
@@ -29,8 +29,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, cast
 
-from rallypoint.agent import framing
-from rallypoint.agent import peer_wire as wire
+from rallypoint.agent.checkpoints import peer_wire as wire
+from rallypoint.agent.processes import framing
 from rallypoint.checkpoint import manifest as mf
 from rallypoint.checkpoint.tier import Held, Tier
 from rallypoint.interfaces import CheckpointError

@@ -1,4 +1,4 @@
-"""Saves on notice, the agent's side (the worker's is ``rallypoint.worker.notice``).
+"""Saves on notice, the agent's side (the worker's is ``rallypoint.worker.notice_watch``).
 
 A node told to stop (SIGTERM, with checkpoints on) has every worker of the job save at one
 step before the round changes: its agent picks the step (``notice_step``), gives the round
@@ -21,8 +21,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from rallypoint.worker import channel
-from rallypoint.worker import notice as worker_notice
+from rallypoint.worker import channel, notice_watch
 
 #: Seconds a notice needs to reach every worker: this node's (a file write), and another
 #: node's (the round ends, its agent's monitor loop notices within --monitor-interval,
@@ -47,9 +46,9 @@ class SaveNotice:
     def __init__(self, directory: Path) -> None:
         self.path = directory / "save-notice"
         with open(self.path, "wb") as file:
-            file.write(worker_notice.FORMAT.pack(worker_notice.NONE))
+            file.write(notice_watch.FORMAT.pack(notice_watch.NONE))
         self._file = open(self.path, "r+b")  # noqa: SIM115 (mapped until close)
-        self._view = mmap.mmap(self._file.fileno(), worker_notice.FORMAT.size)
+        self._view = mmap.mmap(self._file.fileno(), notice_watch.FORMAT.size)
         self._changed = threading.Condition()
         self._watching: set[int] = set()  # local ranks that ask should_save
         self._held: dict[int, int] = {}  # local rank -> the step it holds at
@@ -69,7 +68,7 @@ class SaveNotice:
     def reset(self) -> None:
         """No notice, and nothing heard: before a new attempt's workers start."""
         with self._changed:
-            self._write(worker_notice.NONE)
+            self._write(notice_watch.NONE)
             self._watching.clear()
             self._held.clear()
 
@@ -105,4 +104,4 @@ class SaveNotice:
             os.unlink(self.path)
 
     def _write(self, step: int) -> None:
-        worker_notice.FORMAT.pack_into(self._view, 0, step)
+        notice_watch.FORMAT.pack_into(self._view, 0, step)

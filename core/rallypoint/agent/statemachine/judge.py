@@ -2,7 +2,7 @@
 
 A failure of a one-node round is put to the restart policy (``--restart-policy``) at once;
 one of a round of several nodes once the next round tells whether a node was lost (then
-it is a membership change, which uses up no restart; ``rallypoint.agent.restarts``). A
+it is a membership change, which uses up no restart; ``rallypoint.agent.statemachine.restarts``). A
 failure not restarted is reported (``failure.json``, torchrun's parent error file), the
 job's other nodes are made to stop too, and the agent exits with EXIT_WORKER_FAILURE.
 """
@@ -14,10 +14,16 @@ from dataclasses import replace
 from pathlib import Path
 
 from rallypoint import events
-from rallypoint.agent.eventbus import EventBus
-from rallypoint.agent.failures import FailureReport, describe_failure
-from rallypoint.agent.restarts import FAILURE, MEMBERSHIP, Failure, Restarts, lost_nodes
-from rallypoint.agent.signals import SignalWatch
+from rallypoint.agent.monitoring.eventbus import EventBus
+from rallypoint.agent.monitoring.failures import FailureReport, describe_failure
+from rallypoint.agent.statemachine.restarts import (
+    FAILURE,
+    MEMBERSHIP,
+    Failure,
+    Restarts,
+    lost_nodes,
+)
+from rallypoint.agent.statemachine.signals import SignalWatch
 from rallypoint.config import LaunchConfig
 from rallypoint.events import RoundInfo
 from rallypoint.extensions import RestartDecision, RestartRequest

@@ -1,8 +1,8 @@
 """Memory checkpoints between agents: each agent serves the copies it holds
-(``rallypoint.agent.peer_server``), and sends its newest to the next node of the round
+(``rallypoint.agent.checkpoints.peer_server``), and sends its newest to the next node of the round
 (``put``), so that the loss of a node loses no checkpoint; a node that needs a copy it
 lacks fetches it from a member that holds it (``get``). What travels, and how it is
-proven with the job token: ``rallypoint.agent.peer_wire``.
+proven with the job token: ``rallypoint.agent.checkpoints.peer_wire``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import socket
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
-from rallypoint.agent import peer_wire as wire
+from rallypoint.agent.checkpoints import peer_wire as wire
 from rallypoint.checkpoint import manifest as mf
 from rallypoint.checkpoint.tier import Held, Tier
 

@@ -1,7 +1,8 @@
 """The agent's part in a save on notice: the round's step, then the workers held at it.
 
-``rallypoint.agent.notice`` holds the notice file and picks the step; this is the agent's
-side of the exchange before its workers stop, bounded by ``--shutdown-timeout``.
+``rallypoint.agent.checkpoints.save_notice`` holds the notice file and picks the step; this
+is the agent's side of the exchange before its workers stop, bounded by
+``--shutdown-timeout``.
 """
 
 from __future__ import annotations
@@ -9,10 +10,10 @@ from __future__ import annotations
 import logging
 import time
 
-from rallypoint.agent.node_memory import NodeMemory
-from rallypoint.agent.notice import SaveNotice, notice_step
-from rallypoint.agent.steps import Progress
-from rallypoint.agent.workers import WorkerGroup
+from rallypoint.agent.checkpoints.node_memory import NodeMemory
+from rallypoint.agent.checkpoints.save_notice import SaveNotice, notice_step
+from rallypoint.agent.monitoring.steps import Progress
+from rallypoint.agent.processes.workers import WorkerGroup
 from rallypoint.config import LaunchConfig
 from rallypoint.errors import RallypointError
 from rallypoint.interfaces import RendezvousHandler

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rallypoint.agent.failures import FailureReport
+from rallypoint.agent.monitoring.failures import FailureReport
 from rallypoint.events import RoundInfo
 
 #: ``workers_restarted``'s causes.
