@@ -34,7 +34,7 @@ class Mutant:
 MUTANTS = (
     Mutant(
         "generation-never-reread",
-        "rallypoint.rendezvous.joining",
+        "rallypoint.rendezvous.rounds",
         (
             (
                 "    if not stalled and view.round is not None:\n        return None",
@@ -62,7 +62,7 @@ MUTANTS = (
     ),
     Mutant(
         "min-counted-by-join-number",
-        "rallypoint.rendezvous.joining",
+        "rallypoint.rendezvous.leading",
         (("            if recorded or count >= target or short:", "            if recorded:"),),
         "the leader waits for join number MIN's record, which a join retried after a lost "
         "reply never writes (seed 325): the round waits until join_timeout",
@@ -83,7 +83,7 @@ MUTANTS = (
     ),
     Mutant(
         "heartbeat-failure-ignored-while-joining",
-        "rallypoint.rendezvous.joining",
+        "rallypoint.rendezvous.rounds",
         (
             (
                 "        if self.node.heartbeat_failed is not None:\n"
@@ -97,7 +97,7 @@ MUTANTS = (
     ),
     Mutant(
         "last-call-left-out",
-        "rallypoint.rendezvous.joining",
+        "rallypoint.rendezvous.leading",
         (
             (
                 '            yield from calls.wait([keys.of_round(round_, "node", s.max_nodes)], '
@@ -110,7 +110,7 @@ MUTANTS = (
     ),
     Mutant(
         "exit-barrier-passed-on-the-count",
-        "rallypoint.rendezvous.joining",
+        "rallypoint.rendezvous.exits",
         (
             (
                 "            if count >= size and all(v is not None for v in (yield from "

@@ -6,7 +6,7 @@ marks itself as leaving (``<round>/leaving/<node id>``), and ends the round. Eve
 member sees the round end (its heartbeat waits on the next round's ``open`` key), reads
 the notice once, and has its workers save at that step before they stop. The next round
 does not wait for a leaving node, which may still be holding its workers at the save:
-it closes with the others (``Joining._wait_for_survivors``). A round that a newcomer ends
+it closes with the others (``Leader._wait_for_survivors``). A round that a newcomer ends
 is saved the same way, at the step the first member to see it end proposes: no step is
 redone after a join either.
 """
