@@ -290,6 +290,47 @@ def test_an_outage_longer_than_retry_timeout_is_a_clear_error() -> None:
         FlakyStore.down.clear()
 
 
+class _StallingWorld:
+    """A clock that the test moves: each pause of a retry takes what was asked and
+    ``stall`` seconds more (the process stood still: SIGSTOP, a host that stalled)."""
+
+    def __init__(self, stall: float) -> None:
+        self.now, self.stall = 0.0, stall
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds + self.stall
+
+
+class _FailingTwice:
+    """A store whose first two operations find it unreachable."""
+
+    def __init__(self) -> None:
+        self.failures = 2
+
+    def add(self, key: str, amount: int) -> int:
+        if self.failures:
+            self.failures -= 1
+            raise StoreUnavailable("cut off")
+        return 1
+
+
+def test_time_the_process_stood_still_between_tries_does_not_count() -> None:
+    """Two failed tries 0.1 s apart, but the process stood still for 30 s after the first:
+    the store was out of reach for 0.3 s, not 30, so the third try is made and succeeds
+    (before: 'still unreachable after retry_timeout=20 s' when the process woke)."""
+    world = _StallingWorld(stall=30.0)
+    store = RetryingStore(_FailingTwice(), retry_timeout=20, world=world)  # type: ignore[arg-type]
+    assert store.add("/k", 1) == 1
+    assert world.now > 60  # it did stand still, twice
+    world = _StallingWorld(stall=0.5)  # a pause a little late is no stall: it counts
+    store = RetryingStore(_FailingTwice(), retry_timeout=0.3, world=world)  # type: ignore[arg-type]
+    with pytest.raises(StoreError, match="still unreachable after retry_timeout"):
+        store.add("/k", 1)
+
+
 def test_an_exit_barrier_of_a_round_the_others_left_does_not_wait() -> None:
     """Node a finishes round 0 while node b, taking it for gone, went on to round 1: a's
     exit barrier returns once it sees the job past its round, not after its timeout."""
@@ -359,7 +400,7 @@ def test_a_joiner_is_alive_before_its_record_is_read(monkeypatch: pytest.MonkeyP
 
 
 def test_a_plugin_handler_without_a_method_the_agent_calls_is_refused() -> None:
-    from rallypoint.agent.rendezvous_handler import checked_handler
+    from rallypoint.agent.statemachine.rendezvous_handler import checked_handler
     from rallypoint.errors import UsageError
 
     class Partial:
@@ -370,7 +411,7 @@ def test_a_plugin_handler_without_a_method_the_agent_calls_is_refused() -> None:
 
 
 def test_a_plugin_handler_gets_the_optional_methods_from_the_base_class() -> None:
-    from rallypoint.agent.rendezvous_handler import checked_handler
+    from rallypoint.agent.statemachine.rendezvous_handler import checked_handler
     from rallypoint.sdk import RendezvousHandler
 
     class Mine(RendezvousHandler):

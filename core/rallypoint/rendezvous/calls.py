@@ -2,16 +2,15 @@
 
 Every part of the rendezvous protocol (joining, the heartbeat, run generations) is written
 as a generator that yields a ``Call`` for each store operation or wait and is sent back
-the result (or has the store's error thrown into it). ``drive`` performs them on a real
-``CoordinationStore``; the deterministic simulation (``rallypoint.testing.simulation``)
-performs them on a simulated store and clock, interleaving many nodes at every call. The
-same code runs in both, with the same store operations: the protocol's cost at 1024 nodes
-(``benchmarks/bench_rendezvous.py``) does not change with how it is driven.
+the result (or has the store's error thrown into it). ``drive`` performs them on a
+``CoordinationStore``, pausing through a ``World`` (``rendezvous.world``): the one executor,
+in a process and in the deterministic simulation (``rallypoint.testing.simulation``), whose
+nodes run the handler that ships, driven by it, on a simulated store and clock.
 
 The steps do two things besides their calls, both given to them from outside: the joining
-reserves a master port (``Joining(reserve_port=...)``: a socket bound on this host by the
-handler, a stand-in in the simulation) and asks the rank assigner for the round's ranks (a
-plugin's function of the joiners' records, called where the leader forms the round).
+reserves a master port (``Joining(reserve_port=...)``: the world's, a socket bound on this
+host) and asks the rank assigner for the round's ranks (a plugin's function of the
+joiners' records, called where the leader forms the round).
 What the handler does around the steps (its token claim, the heartbeat's first renewal,
 leaving) calls the store directly (``rendezvous.protocol``, each said there).
 
@@ -23,11 +22,11 @@ now costs O(1).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from rallypoint.interfaces import CoordinationStore
+from rallypoint.rendezvous.world import REAL, Flag, World
 
 T = TypeVar("T")
 
@@ -96,12 +95,15 @@ def pause(seconds: float) -> Steps[None]:
     yield Call("pause", (max(0.0, seconds),))
 
 
-def drive(steps: Steps[T], store: CoordinationStore, wake: threading.Event | None = None) -> T:
-    """Run ``steps`` against a real store, in this thread; its return value.
+def drive(
+    steps: Steps[T], store: CoordinationStore, wake: Flag | None = None, world: World = REAL
+) -> T:
+    """Run ``steps`` against ``store``, in this thread; its return value. The one
+    executor of the protocol's calls: in a process, and in the simulation (its ``world``).
 
     ``pause`` waits on ``wake`` (then clears it), or sleeps when there is none.
     """
-    perform = _performer(store, wake)
+    perform = _performer(store, wake or world.flag())
     result: Any = None
     error: BaseException | None = None
     while True:
@@ -116,8 +118,7 @@ def drive(steps: Steps[T], store: CoordinationStore, wake: threading.Event | Non
             error = raised
 
 
-def _performer(store: CoordinationStore, wake: threading.Event | None) -> Callable[[Call], Any]:
-    pausing = wake or threading.Event()
+def _performer(store: CoordinationStore, pausing: Flag) -> Callable[[Call], Any]:
 
     def perform(call: Call) -> Any:
         if call.method == "pause":

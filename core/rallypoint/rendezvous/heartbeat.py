@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 from rallypoint.rendezvous import calls, records
 from rallypoint.rendezvous.calls import Steps
-from rallypoint.rendezvous.joining import advance, newer_generation
 from rallypoint.rendezvous.node import Membership, NodeState, Watch
 from rallypoint.rendezvous.paces import PaceBoard
+from rallypoint.rendezvous.rounds import advance, newer_generation, store_lost
 from rallypoint.rendezvous.settings import Settings
 
 logger = logging.getLogger("rallypoint.rendezvous")
@@ -29,12 +29,14 @@ WAKE_SLICE = 0.5
 
 
 class Heartbeat:
-    """One node's heartbeat; a thread of its own runs ``run`` (the simulation, an actor)."""
+    """One node's heartbeat; a thread of its own runs ``run``."""
 
     def __init__(self, node: NodeState, board: PaceBoard | None = None) -> None:
         self.node = node
         self.board = board
         self._dropped: Watch | None = None  # the watch whose node this heartbeat found gone
+        # The record this node holds, and its bytes as the store had them when compared.
+        self._record: tuple[records.RoundRecord, bytes] | None = None
 
     def run(self, stopped: Callable[[], bool]) -> Steps[None]:
         """Beat until ``stopped()``."""
@@ -87,10 +89,35 @@ class Heartbeat:
         if left_behind and (yield from newer_generation(node)) is not None:
             assert round_ is not None
             node.ended = max(node.ended, (view.keys.generation, round_))  # leave the round
+        elif round_ is not None and left_behind and not (yield from self._round_kept(view, round_)):
+            raise store_lost(round_)  # the record every member read is gone
         yield from self._check_neighbour(view)
         if self.board is not None:
             yield from self.board.share(view)
         return kept
+
+    def _round_kept(self, view: Membership, round_: int) -> Steps[bool]:
+        """Whether the store still has the record of ``round_`` that every member read, and
+        the state that took the job there (one read): not gone (the store lost its data;
+        or it lost it between the leader's look at the state and its record, which it then
+        wrote into an empty store), nor another record (written after a stray deleted it).
+        The record is decoded once a round; after that its bytes are compared."""
+        keys = view.keys
+        key, state = keys.of_round(round_, "closed"), keys.state()
+        raw, raw_state = yield from calls.get_many([key, state])
+        if raw is None:
+            return False
+        record = view.record
+        if self._record is None or self._record[0] is not record:  # a round joined since
+            if record is None or records.decode_round(key, raw) != record:
+                return False
+            self._record = (record, raw)
+        elif raw != self._record[1]:
+            return False
+        # Absent, the state is round 0: a new job writes nothing there until a round ends.
+        return round_ == 0 or (
+            raw_state is not None and records.decode_state(state, raw_state) >= round_
+        )
 
     def _check_neighbour(self, view: Membership) -> Steps[None]:
         """End the round if the member this node watches stopped beating."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
 
 from rallypoint.errors import RallypointError
 from rallypoint.events import RoundInfo
@@ -32,19 +31,13 @@ from rallypoint.rendezvous.rounds import LeaderLost, RunChecks
 # Re-exported: the heartbeat and the notices import them from here.
 from rallypoint.rendezvous.rounds import advance as advance
 from rallypoint.rendezvous.rounds import newer_generation as newer_generation
+from rallypoint.rendezvous.world import Port
 
 logger = logging.getLogger("rallypoint.rendezvous")
 
 
-class Port(Protocol):
-    """A master port this node holds until the next round."""
-
-    port: int
-
-    def release(self) -> None: ...
-
-
-#: Reserve a port: the given one, or a free one (0).
+#: Reserve a port: the given one, or a free one (0); held until the next round
+#: (``World.reserve_port``).
 ReservePort = Callable[[int], Port]
 
 
@@ -187,10 +180,28 @@ class Joining:
             pace=self.pace() if self.pace is not None else None,
         )
         encoded = records.encode(mine)
-        yield from calls.set_(keys.of_round(round_, "node", index), encoded)
+        if index > self.settings.most_joins:
+            # No honest run takes this many numbers: a stray added to the count, and the
+            # leader reads no record past the cap. Take a free number below it instead.
+            index = yield from self._free_number(round_, encoded)
+        else:
+            yield from calls.set_(keys.of_round(round_, "node", index), encoded)
         if index == 1:
             return (yield from self.leader.lead(round_, deadline))
         return (yield from self._wait_closed(round_, deadline, index, encoded))
+
+    def _free_number(self, round_: int, mine: bytes) -> Steps[int]:
+        """The first join number of ``round_`` without a record, taken by writing this
+        node's record there (compare-and-set: one node a number; in a sealed job, a
+        stray's value there is replaced)."""
+        for number in range(1, self.settings.most_joins + 1):
+            key = self.keys.of_round(round_, "node", number)
+            if (yield from calls.compare_set(key, None, mine)) == mine:
+                return number
+        raise RendezvousFailed(
+            f"rendezvous round {round_}: every join number up to {self.settings.most_joins} "
+            "is taken; a process that is not of this job keeps adding to its count"
+        )
 
     def _wait_closed(
         self, round_: int, deadline: float, index: int, mine: bytes

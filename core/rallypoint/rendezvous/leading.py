@@ -22,7 +22,7 @@ from rallypoint.rendezvous.calls import Steps
 from rallypoint.rendezvous.generations import job_round
 from rallypoint.rendezvous.keys import Keys
 from rallypoint.rendezvous.node import NodeState
-from rallypoint.rendezvous.rounds import LeaderLost, RunChecks, advance
+from rallypoint.rendezvous.rounds import LeaderLost, RunChecks, advance, store_lost
 from rallypoint.rendezvous.settings import Settings
 
 logger = logging.getLogger("rallypoint.rendezvous")
@@ -75,6 +75,10 @@ class Leader:
             # moved on (the round ended, or every join record of it expired): closing this
             # round would start workers nobody joins.
             raise LeaderLost()
+        if round_ > 0 and (yield from job_round(keys)) < round_:
+            # Opened, yet the job's state is short of it: the state that opened it is gone
+            # (the store lost its data meanwhile). Closing it would start a second job.
+            raise store_lost(round_)
         closed = keys.of_round(round_, "closed")
         try:
             record = self._form(round_, nodes)
@@ -114,6 +118,8 @@ class Leader:
                 [keys.of_round(round_, "node", target)], min(left, slice_)
             )
             count = yield from self.count(round_)
+            if recorded:  # the count is at least the number found written, whatever it says
+                count = max(count, min(target, s.most_joins))
             if recorded or count >= target or short:
                 # From number 1 again: a number found without a record may have one now
                 # (its node was slow to write it, frozen say). Only numbers taken: a
@@ -278,8 +284,9 @@ class Leader:
         raw = yield from calls.get(keys.of_round(round_, "expected"))
         expected = records.decode_int(keys.of_round(round_, "expected"), raw) if raw else 0
         end = node.clock() + s.last_call_timeout
+        written = 0  # the join numbers seen written: a count a stray took from is no less
         while True:
-            count = yield from self.count(round_)
+            count = max((yield from self.count(round_)), written)
             nodes, read = yield from self._gather(round_, nodes, read, count)
             if len(nodes) >= s.max_nodes or node.clock() >= end:
                 return nodes
@@ -297,7 +304,8 @@ class Leader:
                 return nodes
             slice_ = min(s.heartbeat_timeout / 3, max(0.0, end - node.clock()))
             began = node.clock()
-            yield from calls.wait([keys.of_round(round_, "node", read + 1)], slice_)
+            if (yield from calls.wait([keys.of_round(round_, "node", read + 1)], slice_)):
+                written = min(read + 1, s.most_joins)
             node.stalls.note(began)
 
 

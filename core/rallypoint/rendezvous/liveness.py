@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 from rallypoint.interfaces import StoreError
+from rallypoint.rendezvous.world import REAL, World
 
 logger = logging.getLogger("rallypoint.rendezvous")
 
@@ -37,6 +38,8 @@ class CounterLiveness:
     """
 
     trust_drops = True
+    #: Whose clock says how long a counter stood still (the simulation gives its own).
+    world: World = REAL
 
     def __init__(self) -> None:
         self._seen: dict[str, tuple[int, float, float]] = {}  # value, moved at, read at
@@ -63,7 +66,7 @@ class CounterLiveness:
         value = self.add(key, 0)
         if value < 0 and self.trust_drops:  # its owner closed: gone
             return False
-        now = time.monotonic()
+        now = self.world.monotonic()
         with self._lock:
             seen = self._seen.get(key)
             if seen is None or seen[0] != value or now - seen[2] > ttl:
@@ -76,6 +79,7 @@ class CounterLiveness:
         """``clone`` shares what this connection saw; what it keeps alive is its own."""
         clone._seen, clone._lock = self._seen, self._lock
         clone._kept = set()
+        clone.world = self.world
 
 
 class Stalls:

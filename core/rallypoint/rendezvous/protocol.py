@@ -38,12 +38,15 @@ can add to them, so a count read is capped (``Settings.most_joins``) and what it
 is checked against sealed marks before anything is decided on it.
 
 The protocol's parts: ``keys`` (this layout), ``joining`` (from ``next_round`` to a round's
-record), ``heartbeat`` (liveness, the ring, the end of a round), ``generations`` (a run id
-used again), ``paces`` (straggler paces shared through the round), all written as steps
-that yield their store calls (``calls``). This module is the handler the agent drives: it
-performs the steps on the real store, the joining in the agent's thread and the heartbeat
-in a thread of its own. ``rallypoint.testing.simulation`` performs the same steps on a
-simulated store and clock.
+record), ``leading`` (a round's leader forms it), ``rounds`` (whether the job went on
+without this node), ``exits`` (the exit barrier, a job's failure), ``heartbeat``
+(liveness, the ring, the end of a round), ``generations`` (a run id used again),
+``paces`` (straggler paces shared through the round), all written as steps that yield
+their store calls (``calls``). This module is the handler the agent drives: it performs
+the steps on the store (``calls.drive``), the joining in the agent's thread and the
+heartbeat in a thread of its own, all through its ``world`` (``rendezvous.world``): this
+process's, or in ``rallypoint.testing.simulation`` a simulated node's, where this same
+handler runs on a simulated store and clock.
 """
 
 from __future__ import annotations
@@ -51,8 +54,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 
 from rallypoint.errors import RallypointError
@@ -72,11 +73,11 @@ from rallypoint.rendezvous.joining import Joining
 from rallypoint.rendezvous.keys import Keys
 from rallypoint.rendezvous.node import NodeState
 from rallypoint.rendezvous.paces import PaceBoard
-from rallypoint.rendezvous.ports import PortReservation
 from rallypoint.rendezvous.readiness import Ready
 from rallypoint.rendezvous.retrying import RetryingStore
 from rallypoint.rendezvous.settings import Settings
 from rallypoint.rendezvous.signing import CLAIM_GRACE, Seal, SignedStore, sealed
+from rallypoint.rendezvous.world import REAL, Flag, Strand, World
 
 logger = logging.getLogger("rallypoint.rendezvous")
 
@@ -94,13 +95,14 @@ class StoreRendezvous(RendezvousHandler):
     node's workers' CPU seconds per step, shared with the round's other nodes on every
     heartbeat (``paces``) and put in the record of each round it joins. ``host``: whether
     this process hosts the store, where it lives in an agent; None where it does not.
+    ``world``: its clocks, pauses, threads and ports (the simulation's, in the simulation).
 
-    Its store calls go through ``calls.drive`` over the retrying store, but for four, each
+    Its store calls go through ``calls.drive`` over the retrying store, but for three, each
     for a reason: the token claim (``_claim_token``: once, before any step, retried as a
     whole); the first renewal of this node's liveness (``_start_heartbeats``: it must exist
-    before the first join record, from the heartbeat thread's own connection); the sealed
-    liveness's "gone" mark (``close``); and the ``leave`` steps, driven on the store without
-    retries (leaving must not wait out an outage).
+    before the first join record, from the heartbeat thread's own connection); and the
+    sealed liveness's "gone" mark (``close``). The ``leave`` steps retry for LEAVE_GRACE
+    only: leaving rides out a lost reply, not an outage.
     """
 
     def __init__(
@@ -119,6 +121,7 @@ class StoreRendezvous(RendezvousHandler):
         ready: Ready | None = None,
         token: bytes | None = None,
         host: bool | None = None,
+        world: World = REAL,
     ) -> None:
         if not records.usable_id(node.node_id) or not records.usable_host(node.host):
             raise RallypointError(
@@ -129,21 +132,22 @@ class StoreRendezvous(RendezvousHandler):
         # (``RendezvousBackend.store_in_agent``: c10d, static); None for a store of its own
         # (etcd, Redis, memory), which keeps what is not deleted (``store_handler``).
         self.hosting = host
-        self.signed = SignedStore(store, Seal(token)) if token else None
-        self.store = RetryingStore(self.signed or store, settings.retry_timeout)
+        self.world = world
+        self.signed = SignedStore(store, Seal(token), world=world) if token else None
+        self.store = RetryingStore(self.signed or store, settings.retry_timeout, world)
         self.settings = settings
         self.state = NodeState(
             node,
             nproc_per_node,
             settings,
             Keys(settings.prefix, run_id),
-            time.monotonic,
+            world.monotonic,
             sealed=token is not None,
         )
         self.joining = Joining(
             self.state,
             assigner,
-            PortReservation,
+            world.reserve_port,
             master_addr=master_addr,
             master_port=master_port,
             offer=offer,
@@ -151,9 +155,9 @@ class StoreRendezvous(RendezvousHandler):
             ready=ready,
         )
         self.board = PaceBoard(node.node_id, pace) if pace is not None else None
-        self._stop_heartbeat = threading.Event()
-        self._wake_heartbeat = threading.Event()  # set when joining ends, or to stop
-        self._heartbeat: threading.Thread | None = None
+        self._stop_heartbeat = world.flag()
+        self._wake_heartbeat = world.flag()  # set when joining ends, or to stop
+        self._heartbeat: Strand | None = None
         # The heartbeat thread's own connection, opened now rather than inside next_round:
         # torch's TCPStore client does a reverse DNS lookup on every connect, and a slow or
         # dropped lookup (5 s resolver timeout) must not land in the timed join path.
@@ -164,7 +168,7 @@ class StoreRendezvous(RendezvousHandler):
         return self.state.view.keys
 
     def _drive(self, steps: Steps[calls.T]) -> calls.T:
-        return calls.drive(steps, self.store)
+        return calls.drive(steps, self.store, world=self.world)
 
     # --- RendezvousHandler ----------------------------------------------------------------
 
@@ -253,8 +257,9 @@ class StoreRendezvous(RendezvousHandler):
             with contextlib.suppress(StoreError):  # said gone before the last node deletes
                 self.signed.end_liveness()
         with contextlib.suppress(StoreError):  # a store that is gone needs telling nothing
-            # No retries: leaving must not wait out an outage.
-            calls.drive(leave(self.joining, self.hosting), self.store.store)
+            # A blip is ridden out, not an outage: leaving must not wait one out.
+            store = RetryingStore(self.store.store, LEAVE_GRACE, self.world)
+            calls.drive(leave(self.joining, self.hosting), store, world=self.world)
         self.joining.release_port()
         self.store.close()
 
@@ -268,16 +273,16 @@ class StoreRendezvous(RendezvousHandler):
             self.keys.heartbeat(self.state.node_id), self.settings.heartbeat_timeout
         )
         self.state.renewed()
-        self._stop_heartbeat = threading.Event()
-        self._heartbeat = threading.Thread(
-            target=self._beat, args=(self._beat_store, self._stop_heartbeat), daemon=True
+        stop = self._stop_heartbeat = self.world.flag()
+        store = self._beat_store
+        self._heartbeat = self.world.start(
+            lambda: self._beat(store, stop), f"rallypoint heartbeat {self.state.node_id}"
         )
-        self._heartbeat.start()
 
-    def _beat(self, store: CoordinationStore, stop: threading.Event) -> None:
+    def _beat(self, store: CoordinationStore, stop: Flag) -> None:
         heartbeat = Heartbeat(self.state, self.board)
         try:
-            calls.drive(heartbeat.run(stop.is_set), store, self._wake_heartbeat)
+            calls.drive(heartbeat.run(stop.is_set), store, self._wake_heartbeat, self.world)
         except StoreError as error:
             if not stop.is_set():
                 self.state.heartbeat_failed = error
@@ -297,10 +302,11 @@ class StoreRendezvous(RendezvousHandler):
 
 def leave(joining: Joining, hosting: bool | None) -> Steps[None]:
     """Say that this node leaves; a cleanly finished run's keys are deleted by the node
-    that finds every member's mark written. A node whose process hosts the store (c10d,
-    static) takes the store with it, so it first waits, at most LEAVE_GRACE seconds, for
-    the other nodes of its last round to leave: they may still have to read how the round
-    ended (a leader's error, the exit barrier)."""
+    that finds every member's mark written: the last to leave, as the count says, or the
+    round's group rank 0. A node whose process hosts the store (c10d, static) takes the
+    store with it, so it first waits, at most LEAVE_GRACE seconds, for the other nodes of
+    its last round to leave: they may still have to read how the round ended (a leader's
+    error, the exit barrier)."""
     view = joining.node.view
     round_, keys, record = view.last_joined, view.keys, view.record
     if round_ is None:
@@ -317,9 +323,12 @@ def leave(joining: Joining, hosting: bool | None) -> Steps[None]:
             yield from calls.delete_prefix(mark)
     marks = [keys.of_round(round_, "left", g) for g in range(len(members))]
     if hosting is None:  # a store of its own (etcd, Redis): it keeps what is not deleted
-        # The count only says when to look: a stray can add to it, not write a mark.
-        last = joining.finished == round_ and members and count >= len(members)
-        if last and (yield from calls.wait(marks, LEAVE_GRACE)):
+        # The count says who looks at the marks: the last to leave. A stray can add to a
+        # count (then a node looks early, and waits) or take from it (then nobody would
+        # look): group rank 0 looks whatever the count says.
+        last = count >= len(members) or joining.rank == 0
+        cleaner = joining.finished == round_ and members and last
+        if cleaner and (yield from calls.wait(marks, LEAVE_GRACE)):
             yield from delete_run(keys)
         return
     if not hosting:

@@ -8,15 +8,18 @@ job, while running workers are left alone.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from rallypoint.interfaces import CoordinationStore, StoreError, StoreUnavailable
+from rallypoint.rendezvous.world import REAL, World
 
 logger = logging.getLogger("rallypoint.rendezvous")
 
 T = TypeVar("T")
+#: How far a pause between two tries may overrun before it counts as a stall of this
+#: process rather than time the store was tried in.
+_OVERRUN = 1.0
 
 
 class Backoff:
@@ -42,6 +45,13 @@ class Backoff:
         self._delay = min(self._delay * 2, 2.0)
         return delay
 
+    def excuse(self, seconds: float) -> None:
+        """This process did not run for ``seconds`` between two tries (frozen, swapped
+        out, its host stalled): the store had no chance to answer then, so that time is
+        not counted against it."""
+        if self.began is not None:
+            self.began += seconds
+
     def succeeded(self, now: float) -> None:
         if self.began is not None:
             logger.info("rendezvous store reachable again after %.1f s", now - self.began)
@@ -50,11 +60,13 @@ class Backoff:
 class RetryingStore:
     """A store whose operations ride out an outage: ``StoreUnavailable`` is retried with
     exponential backoff (``Backoff``) for ``retry_timeout`` seconds, then it becomes a
-    ``StoreError`` that says how long the store was unreachable."""
+    ``StoreError`` that says how long the store was unreachable. Its pauses and clock
+    are its ``world``'s."""
 
-    def __init__(self, store: CoordinationStore, retry_timeout: float) -> None:
+    def __init__(self, store: CoordinationStore, retry_timeout: float, world: World = REAL) -> None:
         self.store = store
         self.retry_timeout = retry_timeout
+        self.world = world
 
     def retry(self, operation: Callable[[], T]) -> T:
         backoff: Backoff | None = None  # made at the first failure: a success costs nothing
@@ -63,10 +75,16 @@ class RetryingStore:
                 result = operation()
             except StoreUnavailable as error:
                 backoff = backoff or Backoff(self.retry_timeout)
-                time.sleep(backoff.failed(time.monotonic(), error))
+                delay = backoff.failed(self.world.monotonic(), error)
+                slept_from = self.world.monotonic()
+                self.world.sleep(delay)
+                # A pause that overran by far: this process stood still (SIGSTOP, a stall).
+                overran = self.world.monotonic() - slept_from - delay
+                if overran > _OVERRUN:
+                    backoff.excuse(overran)
                 continue
             if backoff is not None:
-                backoff.succeeded(time.monotonic())
+                backoff.succeeded(self.world.monotonic())
             return result
 
     def add(self, key: str, amount: int) -> int:
@@ -88,12 +106,15 @@ class RetryingStore:
         return self.retry(lambda: self.store.compare_set(key, expected, desired))
 
     def wait(self, keys: Sequence[str], timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        return self.retry(lambda: self.store.wait(keys, max(0.0, deadline - time.monotonic())))
+        deadline = self.world.monotonic() + timeout
+        return self.retry(lambda: self.store.wait(keys, self._left(deadline)))
 
     def wait_value(self, key: str, timeout: float) -> bytes | None:
-        deadline = time.monotonic() + timeout
-        return self.retry(lambda: self.store.wait_value(key, max(0.0, deadline - time.monotonic())))
+        deadline = self.world.monotonic() + timeout
+        return self.retry(lambda: self.store.wait_value(key, self._left(deadline)))
+
+    def _left(self, deadline: float) -> float:
+        return max(0.0, deadline - self.world.monotonic())
 
     def keep_alive(self, key: str, ttl: float) -> None:
         self.retry(lambda: self.store.keep_alive(key, ttl))
@@ -105,7 +126,7 @@ class RetryingStore:
         return self.retry(lambda: self.store.delete_prefix(prefix))
 
     def clone(self) -> RetryingStore:
-        return RetryingStore(self.retry(self.store.clone), self.retry_timeout)
+        return RetryingStore(self.retry(self.store.clone), self.retry_timeout, self.world)
 
     def close(self) -> None:
         self.store.close()

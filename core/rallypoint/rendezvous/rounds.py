@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+from rallypoint.interfaces import StoreError
 from rallypoint.rendezvous import calls, generations, records
 from rallypoint.rendezvous.calls import Steps
 from rallypoint.rendezvous.generations import job_round
@@ -57,6 +58,17 @@ def advance(keys: Keys, from_round: int, expected: int) -> Steps[None]:
     # its own beside the running one).
     if records.decode_state(keys.state(), now or None) > from_round:
         yield from calls.set_(keys.of_round(from_round + 1, "open"), b"1")
+
+
+def store_lost(round_: int) -> StoreError:
+    """What a node says when the store no longer has what every member read (``round_``'s
+    record, the state that opened it): it restarted without its data, or the agent that
+    hosted it (c10d) died and another hosts an empty one. Joining there would start a
+    second job beside the running one: the node stops instead."""
+    return StoreError(
+        f"the rendezvous store no longer has round {round_} of this run: it lost its data "
+        "(restarted empty, or the agent that hosted it died); restart the job"
+    )
 
 
 def newer_generation(node: NodeState) -> Steps[Keys | None]:

@@ -42,7 +42,6 @@ import logging
 import re
 import secrets
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -50,6 +49,7 @@ from rallypoint.interfaces import CoordinationStore, RendezvousFailed, StoreErro
 from rallypoint.job_token import derive
 from rallypoint.rendezvous import records
 from rallypoint.rendezvous.liveness import CounterLiveness
+from rallypoint.rendezvous.world import REAL, World
 
 logger = logging.getLogger("rallypoint.rendezvous")
 
@@ -201,6 +201,7 @@ class _Shared:
     def __init__(self, seal: Seal) -> None:
         self.run_seal = seal
         self.seal: Seal | None = None  # the attempt's
+        self.claim_key: str | None = None  # where the attempt's claim is
         self.lock = threading.Lock()
         self.said = False
         self.sequence = 0  # the last mark this node wrote
@@ -222,12 +223,12 @@ class SignedStore:
         store: CoordinationStore,
         seal: Seal,
         *,
-        clock: Callable[[], float] = time.monotonic,
+        world: World = REAL,
         _shared: _Shared | None = None,
     ) -> None:
         self.store = store
         self.shared = _shared or _Shared(seal)
-        self.clock = clock
+        self.world = world  # its clocks (a liveness mark is wall-clock time) and pauses
         # A heartbeat counter's drop below zero is no proof of anything: a stray can add.
         if isinstance(store, CounterLiveness):
             store.trust_drops = False
@@ -291,21 +292,21 @@ class SignedStore:
         raise StoreUnavailable(f"a process without the job token keeps writing {key!r}")
 
     def wait(self, keys: Sequence[str], timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
+        deadline = self.world.monotonic() + timeout
         if not self.store.wait(keys, timeout):
             return False
-        for _ in _pauses(deadline):
+        for _ in _pauses(deadline, self.world):
             if all(value is not None for value in self.get_many(keys)):
                 return True
         return False
 
     def wait_value(self, key: str, timeout: float) -> bytes | None:
-        deadline = time.monotonic() + timeout
+        deadline = self.world.monotonic() + timeout
         raw = self.store.wait_value(key, timeout)
         if raw is None:
             return None
         value = self._open(key, raw)
-        for _ in _pauses(deadline):
+        for _ in _pauses(deadline, self.world):
             if value is not None:
                 break
             value = self.get(key)
@@ -330,6 +331,23 @@ class SignedStore:
         self.set(key + ALIVE, str(self._next(key)).encode())
         with self.shared.lock:
             self.shared.kept.add(key)
+        self._check_claim()
+
+    def _check_claim(self) -> None:
+        """The run's claim still holds this node's attempt: one read a renewal. Where
+        it does not, the store lost its data (restarted empty, or its c10d host died) and
+        a node claimed the run anew: this node's records are another attempt's there,
+        and going on would form a second job beside that one's."""
+        key, seal = self.shared.claim_key, self.shared.seal
+        if key is None or seal is None:
+            return
+        now = attempt_of(self.shared.run_seal.open(key, self.store.get(key) or None))
+        if now != seal.attempt:
+            raise StoreError(
+                "the run's job token claim is no longer this node's attempt: the rendezvous "
+                "store lost its data (restarted empty, or the agent that hosted it died); "
+                "restart the job"
+            )
 
     def _next(self, key: str) -> int:
         """The number of this node's next mark: above the last, and at least the wall
@@ -338,16 +356,16 @@ class SignedStore:
         between two agents of one id; reading the old mark to be sure would cost every
         node's first renewal a request."""
         with self.shared.lock:
-            number = max(self.shared.sequence + 1, time.time_ns() // 1000)
+            number = max(self.shared.sequence + 1, self.world.time_ns() // 1000)
             self.shared.sequence = number
             return number
 
     def alive(self, key: str, ttl: float) -> bool:
         mark = _mark(self.get(key + ALIVE))
-        now = self.clock()
+        now = self.world.monotonic()
         with self.shared.lock:
             watch, verdict = judge(
-                self.shared.watches.get(key), mark, now, ttl, time.time_ns() // 1000
+                self.shared.watches.get(key), mark, now, ttl, self.world.time_ns() // 1000
             )
             if watch is None:
                 self.shared.watches.pop(key, None)
@@ -364,7 +382,6 @@ class SignedStore:
         key: str,
         job_behind: Callable[[], bool],
         grace: float = CLAIM_GRACE,
-        pause: Callable[[float], object] = time.sleep,
     ) -> None:
         """Take part in the run's attempt: seal the token key ``key`` with a new nonce, or
         find it sealed with this token (the attempt's nonce). A claim sealed with another
@@ -372,7 +389,7 @@ class SignedStore:
         under the run's keys within ``grace`` seconds; else it is replaced, saying so."""
         run_seal = self.shared.run_seal
         mine = run_seal.seal(key, CLAIM + b" " + secrets.token_hex(16).encode())
-        deadline = self.clock() + grace
+        deadline = self.world.monotonic() + grace
         want: bytes | None = None
         for _ in range(1000):  # each turn pauses, or replaces a stray's value
             now = self.store.compare_set(key, want, mine)
@@ -386,6 +403,7 @@ class SignedStore:
                         key[:200],
                     )
                 self.shared.seal = run_seal.for_attempt(attempt)
+                self.shared.claim_key = key
                 return
             if not now:
                 want = None  # deleted meanwhile: claim it afresh
@@ -396,11 +414,11 @@ class SignedStore:
                 continue
             if job_behind():
                 raise RendezvousFailed(MISMATCH)
-            if self.clock() >= deadline:
+            if self.world.monotonic() >= deadline:
                 want = now
                 continue
             want = None
-            pause(0.2)
+            self.world.sleep(0.2)
         raise StoreUnavailable(f"the run's token claim at {key!r} keeps changing")
 
     def view(self, key: str) -> bool:
@@ -414,7 +432,9 @@ class SignedStore:
     # --- the connection -------------------------------------------------------------------
 
     def clone(self) -> SignedStore:
-        return SignedStore(self.store.clone(), self.shared.run_seal, _shared=self.shared)
+        return SignedStore(
+            self.store.clone(), self.shared.run_seal, world=self.world, _shared=self.shared
+        )
 
     def end_liveness(self) -> None:
         """This node leaves: a sealed ``gone`` on every mark it kept, by any of its
@@ -432,13 +452,13 @@ class SignedStore:
         self.store.close()
 
 
-def _pauses(deadline: float) -> Iterator[None]:
+def _pauses(deadline: float, world: World) -> Iterator[None]:
     """Yields at once, then after each pause (growing from 0.05 s to 0.5 s) until
     ``deadline``: a wait re-reads a key that a stray wrote, which the store's own wait
     already saw exist and cannot wait on to change."""
     delay = _POLL[0]
     yield
-    while (left := deadline - time.monotonic()) > 0:
-        time.sleep(min(delay, left))
+    while (left := deadline - world.monotonic()) > 0:
+        world.sleep(min(delay, left))
         delay = min(delay * 2, _POLL[1])
         yield
