@@ -107,11 +107,13 @@ test-lowest: install
 
 # The long fault scenarios (docs/reliability.md): the 20-repetition recovery soak, membership
 # churn, and the backends that make test leaves out of the faults handled alike on each;
-# then 10,000 seeded schedules of the rendezvous protocol's simulation, and the first seed
-# that catches each defect kept in tests/simulation_mutants.py (docs/index.md).
+# then 10,000 seeded schedules of the rendezvous protocol's simulation and 200 of jobs of
+# 64 nodes, and the first seed that catches each defect kept in tests/simulation_mutants.py
+# (docs/index.md).
 soak: install servers
 	$(PY) -m pytest -n $(TEST_PROCESSES) --dist worksteal -m soak
 	$(PY) -m rallypoint.testing.simulation --schedules 10000 --processes $(TEST_PROCESSES)
+	$(PY) -m rallypoint.testing.simulation --schedules 200 --nodes 64 --processes $(TEST_PROCESSES)
 	$(PY) tests/simulation_mutants.py 3000
 
 # Runs the fault suite and writes docs/reliability.md from what it measured.

@@ -58,7 +58,7 @@ MUTANTS = (
         (("            if round_ > (yield from job_round(keys)):", "            if False:"),),
         "the leader of a round the job has yet to reach dies; a node waiting there ends "
         "it as though the job were in it (seed 241: a second job beside the running one)",
-        167,
+        176,
     ),
     Mutant(
         "min-counted-by-join-number",
@@ -66,7 +66,7 @@ MUTANTS = (
         (("            if recorded or count >= target or short:", "            if recorded:"),),
         "the leader waits for join number MIN's record, which a join retried after a lost "
         "reply never writes (seed 325): the round waits until join_timeout",
-        21,
+        3,
     ),
     Mutant(
         "leaderless-round-waited-for",
@@ -93,7 +93,7 @@ MUTANTS = (
         ),
         "the heartbeat gave up on the store while the node joined: it joins on, no longer "
         "kept alive, into a run the others started afresh (seed 1221)",
-        1221,
+        1026,
     ),
     Mutant(
         "last-call-left-out",
@@ -113,27 +113,27 @@ MUTANTS = (
         "rallypoint.rendezvous.exits",
         (
             (
-                "            if count >= size and all(v is not None for v in (yield from "
+                "            if looks and all(v is not None for v in (yield from "
                 "calls.get_many(marks))):",
-                "            if count >= size:",
+                "            if looks:",
             ),
         ),
         "a member passes the exit barrier when the count says all are in: a count applied "
         "twice (its reply lost, the add retried) lets it pass before another finished",
-        228,
+        0,
     ),
     Mutant(
         "run-deleted-before-every-mark",
         "rallypoint.rendezvous.protocol",
         (
             (
-                "        if last and (yield from calls.wait(marks, LEAVE_GRACE)):",
-                "        if last:",
+                "        if cleaner and (yield from calls.wait(marks, LEAVE_GRACE)):",
+                "        if cleaner:",
             ),
         ),
-        "the last to leave deletes the run as soon as the count says all left: a mark "
-        "written after the deletion is left behind",
-        9,
+        "group rank 0 deletes the run as soon as it leaves: a mark written after the "
+        "deletion is left behind",
+        3,
     ),
     Mutant(
         "retried-mark-left-behind",
@@ -147,7 +147,7 @@ MUTANTS = (
         ),
         "a member's mark whose reply was lost is written again after the run was deleted, "
         "and stays",
-        3,
+        202,
     ),
     Mutant(
         "master-port-let-go",
@@ -194,7 +194,7 @@ MUTANTS = (
         ),
         "the heartbeat sees the next round open and does not say so: the node's workers "
         "train on in a round the job has left",
-        1,
+        3,
     ),
     Mutant(
         "stall-forgotten",
@@ -216,6 +216,90 @@ MUTANTS = (
         "a node renews its liveness less often than it lapses: the others take a live "
         "node for gone",
         13,
+    ),
+    Mutant(
+        "unsealed-record-believed",
+        "rallypoint.rendezvous.signing",
+        (
+            (
+                "        value = None if seal is None else seal.open(key, raw)",
+                "        value = raw if seal is None else (seal.open(key, raw) or raw)",
+            ),
+        ),
+        "a sealed job reads a value that no node of it sealed: a stray's record counts",
+        7,
+    ),
+    Mutant(
+        "liveness-mark-standing-still",
+        "rallypoint.rendezvous.signing",
+        (
+            (
+                "            number = max(self.shared.sequence + 1, self.world.time_ns() // 1000)",
+                "            number = 1",
+            ),
+        ),
+        "a sealed node's liveness mark does not rise with its renewals: the others take "
+        "it for gone",
+        5,
+    ),
+    Mutant(
+        "liveness-mark-from-the-wall-clock",
+        "rallypoint.rendezvous.signing",
+        (
+            (
+                "            number = max(self.shared.sequence + 1, self.world.time_ns() // 1000)",
+                "            number = self.world.time_ns() // 1000",
+            ),
+        ),
+        "a liveness mark is the wall clock alone: when the clock steps back, the mark "
+        "falls, and the node looks gone",
+        45,
+    ),
+    Mutant(
+        "claim-never-checked",
+        "rallypoint.rendezvous.signing",
+        (
+            (
+                "        if key is None or seal is None:\n            return\n        now =",
+                "        if True:\n            return\n        now =",
+            ),
+        ),
+        "a sealed node does not see the run claimed anew after the store lost its data: "
+        "it goes on in its old attempt beside the new one",
+        731,
+    ),
+    Mutant(
+        "lost-store-unnoticed",
+        "rallypoint.rendezvous.heartbeat",
+        (
+            (
+                "            raise store_lost(round_)  # the record every member read is gone",
+                "            pass",
+            ),
+        ),
+        "a member does not see its round's record gone with the store's data: it trains "
+        "on beside the job a newcomer starts in the empty store",
+        137,
+    ),
+    Mutant(
+        "join-number-past-the-cap",
+        "rallypoint.rendezvous.joining",
+        (("        if index > self.settings.most_joins:", "        if False:"),),
+        "a joiner keeps a number past the cap that a stray's adds gave it: no leader "
+        "reads its record, and the round never forms",
+        36,
+    ),
+    Mutant(
+        "leave-given-up-at-a-lost-reply",
+        "rallypoint.rendezvous.protocol",
+        (
+            (
+                "            store = RetryingStore(self.store.store, LEAVE_GRACE, self.world)",
+                "            store = self.store.store",
+            ),
+        ),
+        "leaving is not retried: one lost reply while the run is deleted leaves its keys",
+        3,
     ),
 )
 
