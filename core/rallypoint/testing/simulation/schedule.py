@@ -6,6 +6,7 @@ adding a kind leaves the draws of the others as they were.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -180,17 +181,7 @@ def _large_job(rng: random.Random, most: int) -> tuple[Settings, int]:
     high = rng.randint(max(2, most // 2), most)
     low = rng.randint(max(1, high // 2), high)
     settings, _ = _job(rng)
-    return Settings(
-        min_nodes=low,
-        max_nodes=high,
-        join_timeout=settings.join_timeout,
-        last_call_timeout=settings.last_call_timeout,
-        close_timeout=settings.close_timeout,
-        heartbeat_timeout=settings.heartbeat_timeout,
-        retry_timeout=settings.retry_timeout,
-        ready_timeout=settings.ready_timeout,
-        prefix=settings.prefix,
-    ), most
+    return dataclasses.replace(settings, min_nodes=low, max_nodes=high), most
 
 
 def _quiet(
