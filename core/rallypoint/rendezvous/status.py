@@ -1,4 +1,8 @@
-"""What ``rallypoint rendezvous status`` shows: the state of a job's rendezvous, read-only."""
+"""What ``rallypoint rendezvous status`` shows: the state of a job's rendezvous, read-only.
+
+It reads the store directly, beside the protocol's steps it reuses (``calls.drive``): it is
+no node of the job, writes nothing (``add(key, 0)`` reads a count) and waits for nothing
+but a liveness sample, so it needs neither the node's retries nor its world."""
 
 from __future__ import annotations
 
