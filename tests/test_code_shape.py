@@ -12,14 +12,6 @@ CORE = Path(__file__).resolve().parents[1] / "core" / "rallypoint"
 LONGEST = 60
 LONGEST_CLASS = 400
 
-#: The classes of the core that were longer than ``LONGEST_CLASS`` lines when this check was
-#: added: each is to be split by concern, then taken off the list (the test says when). None
-#: may join it.
-TOO_LONG_YET = {
-    "rallypoint/testing/store_conformance.py:StoreConformance",
-}
-
-
 def _lengths(root: Path, kinds: tuple[type[ast.AST], ...]) -> Iterator[tuple[str, str, int, int]]:
     """``(path, name, line, lines)`` of every definition of one of ``kinds`` under ``root``."""
     for path in sorted(root.rglob("*.py")):
@@ -53,11 +45,7 @@ def test_no_function_of_the_core_is_longer_than_60_lines() -> None:
 
 
 def test_no_class_of_the_core_is_longer_than_400_lines() -> None:
-    found = long_classes(CORE)
-    new = {name: length for name, length in found.items() if name not in TOO_LONG_YET}
-    assert new == {}, "split these by concern (tests/test_code_shape.py)"
-    shorter = TOO_LONG_YET - found.keys()
-    assert shorter == set(), "now short enough: take them off TOO_LONG_YET"
+    assert long_classes(CORE) == {}, "split these by concern"
 
 
 def test_the_check_finds_a_long_function(tmp_path: Path) -> None:

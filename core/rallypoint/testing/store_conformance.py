@@ -82,8 +82,8 @@ def _in_threads(count: int, target: Callable[[int], Any], timeout: float = 60) -
     return results
 
 
-class StoreConformance:
-    """Subclass with a ``connect`` fixture; every test runs against the real store."""
+class _Conformance:
+    """What both halves of the suite share: the store's traits and the fixtures."""
 
     #: Whether ``keep_alive`` keeps its liveness under the key it is given (a key, or a
     #: key's expiry), which ``delete_prefix`` then deletes and counts. A store that keeps
@@ -104,7 +104,10 @@ class StoreConformance:
         """Keys unique to one test, so tests never see each other's data."""
         return f"/conformance/{uuid.uuid4().hex}/"
 
-    # --- the store operations -----------------------------------------------------------
+
+class StoreOperations(_Conformance):
+    """The store's operations, each against the real store: values, counters, waits,
+    liveness, deleting a prefix, connections."""
 
     def test_get_set_round_trip_bytes(self, store: CoordinationStore, prefix: str) -> None:
         assert store.get(prefix + "absent") is None
@@ -396,7 +399,10 @@ class StoreConformance:
         finally:
             clone.close()
 
-    # --- the protocol on this store -----------------------------------------------------
+
+class ProtocolOverStore(_Conformance):
+    """The rendezvous protocol on the real store: rounds, late and lost nodes, leaving,
+    a clean finish, bad state."""
 
     def _node(
         self,
@@ -666,3 +672,8 @@ class StoreConformance:
                 node.next_round()
         finally:
             node.close()
+
+
+class StoreConformance(StoreOperations, ProtocolOverStore):
+    """Subclass with a ``connect`` fixture; every test runs against the real store: its
+    operations (``StoreOperations``) and the protocol on it (``ProtocolOverStore``)."""
