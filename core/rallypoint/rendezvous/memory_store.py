@@ -99,10 +99,18 @@ class MemoryStore:
                 del self._shared.expiry[key]
             return len(set(doomed) | set(expiring))
 
-    def keys(self) -> list[str]:
-        """Every key it holds, liveness keys included (what a finished run must not leave)."""
+    def stored_keys(self) -> list[str]:
+        """The keys it keeps until deleted (values and counters; not the liveness keys,
+        which expire): what a cleanly finished run must not leave."""
         with self._shared.changed:
-            return sorted(set(self._shared.values) | set(self._shared.expiry))
+            return sorted(self._shared.values)
+
+    def expire(self, keys: Sequence[str]) -> None:
+        """End the liveness of ``keys`` now, whichever connection kept them (a server
+        that deletes a closed client's keys, as Redis's and etcd's do)."""
+        with self._shared.changed:
+            for key in keys:
+                self._shared.expiry.pop(key, None)
 
     def clone(self) -> MemoryStore:
         return MemoryStore(self._shared)

@@ -256,12 +256,12 @@ class Server:
         """A connection closed: its keys deleted (Redis), its leases revoked (etcd)."""
         for key in keys:
             self.leases.pop(key, None)
-            self.data._shared.expiry.pop(key, None)
+        self.data.expire(keys)
 
     def kept_keys(self) -> list[str]:
         """The keys the store keeps for good (values and counters): what a clean finish
         must have deleted. Expiring keys and leases go by themselves."""
-        return sorted(self.data._shared.values)
+        return self.data.stored_keys()
 
 
 class Connection:
