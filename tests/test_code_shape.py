@@ -12,6 +12,7 @@ CORE = Path(__file__).resolve().parents[1] / "core" / "rallypoint"
 LONGEST = 60
 LONGEST_CLASS = 400
 
+
 def _lengths(root: Path, kinds: tuple[type[ast.AST], ...]) -> Iterator[tuple[str, str, int, int]]:
     """``(path, name, line, lines)`` of every definition of one of ``kinds`` under ``root``."""
     for path in sorted(root.rglob("*.py")):
