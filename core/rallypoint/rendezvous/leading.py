@@ -117,9 +117,7 @@ class Leader:
             recorded = yield from calls.wait(
                 [keys.of_round(round_, "node", target)], min(left, slice_)
             )
-            count = yield from self.count(round_)
-            if recorded:  # the count is at least the number found written, whatever it says
-                count = max(count, min(target, s.most_joins))
+            count = yield from self.count(round_, target if recorded else 0)
             if recorded or count >= target or short:
                 # From number 1 again: a number found without a record may have one now
                 # (its node was slow to write it, frozen say). Only numbers taken: a
@@ -137,10 +135,12 @@ class Leader:
             if (yield from self.checks.ended(round_)):
                 raise LeaderLost()
 
-    def count(self, round_: int) -> Steps[int]:
-        """How many join numbers of ``round_`` were taken, capped (``most_joins``)."""
+    def count(self, round_: int, written: int = 0) -> Steps[int]:
+        """How many join numbers of ``round_`` were taken, capped (``most_joins``): at least
+        ``written``, a number this node saw recorded, whatever the count says (a stray can
+        take from it; a leader that believed it would wait on that record for ever)."""
         count = yield from calls.add(self.keys.of_round(round_, "joined"), 0)
-        return min(count, self.settings.most_joins)
+        return min(max(count, written), self.settings.most_joins)
 
     def _gather(
         self, round_: int, nodes: list[records.NodeRecord], read: int, count: int
@@ -284,9 +284,9 @@ class Leader:
         raw = yield from calls.get(keys.of_round(round_, "expected"))
         expected = records.decode_int(keys.of_round(round_, "expected"), raw) if raw else 0
         end = node.clock() + s.last_call_timeout
-        written = 0  # the join numbers seen written: a count a stray took from is no less
+        written = 0  # the highest join number seen recorded
         while True:
-            count = max((yield from self.count(round_)), written)
+            count = yield from self.count(round_, written)
             nodes, read = yield from self._gather(round_, nodes, read, count)
             if len(nodes) >= s.max_nodes or node.clock() >= end:
                 return nodes
@@ -305,7 +305,7 @@ class Leader:
             slice_ = min(s.heartbeat_timeout / 3, max(0.0, end - node.clock()))
             began = node.clock()
             if (yield from calls.wait([keys.of_round(round_, "node", read + 1)], slice_)):
-                written = min(read + 1, s.most_joins)
+                written = read + 1
             node.stalls.note(began)
 
 

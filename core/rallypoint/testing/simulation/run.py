@@ -49,14 +49,6 @@ class Simulation:
         return self.stage.agents
 
     @property
-    def data_lost(self) -> bool:
-        return self.stage.data_lost
-
-    @property
-    def now(self) -> float:
-        return self.hub.now
-
-    @property
     def events(self) -> int:
         return self.hub.events
 
@@ -202,7 +194,7 @@ class Simulation:
         """A store out of reach for longer than retry_timeout, or one that lost its data,
         is a reason; nothing else, here. Out of reach: unreachable, cut off, or so slow
         that a call in flight spans the gap between two such spells."""
-        if self.data_lost or self.schedule.stray_deletes:
+        if self.stage.data_lost or self.schedule.stray_deletes:
             return True  # what cannot hold ends in a sentence (``SimAgent._ended``)
         s = self.schedule
         spells = [s.outage] if s.outage else []
@@ -228,7 +220,7 @@ class Simulation:
         for agent in self.agents:
             if agent.gave_up is not None and not self._may_give_up(agent):
                 self.fail(f"{agent.node_id} gave up: {agent.gave_up}")
-        if self.data_lost or self.schedule.stray_deletes:
+        if self.stage.data_lost or self.schedule.stray_deletes:
             return False  # what is left to hold: no split, and a sentence for each failure
         live = [a for a in self.agents if a.alive and a.gave_up is None]
         if len(live) < s.min_nodes:
