@@ -260,10 +260,11 @@ def _flush_open_files() -> None:
     """What a file left open would get when finalisation closes it. Objects the worker
     made are all the collector tracks: the zygote's were frozen before the fork."""
     for obj in gc.get_objects():
-        if isinstance(obj, io.IOBase):
-            with contextlib.suppress(Exception):
-                if not obj.closed and obj.writable():
-                    obj.flush()
+        # isinstance itself raises for a weakref.proxy whose object is gone (torch.compile
+        # leaves such proxies): every object is looked at under the same suppress.
+        with contextlib.suppress(Exception):
+            if isinstance(obj, io.IOBase) and not obj.closed and obj.writable():
+                obj.flush()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
