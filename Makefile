@@ -139,6 +139,7 @@ bench: install
 	$(PY) benchmarks/bench_checkpoint.py
 	$(PY) benchmarks/bench_memory.py
 	$(PY) benchmarks/bench_metrics.py
+	$(PY) benchmarks/bench_progress.py
 	$(PY) benchmarks/bench_goodput.py
 	$(PY) benchmarks/bench_scale.py
 	$(PY) benchmarks/bench_scrape.py

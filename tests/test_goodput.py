@@ -12,6 +12,7 @@ import pytest
 from launch import rallypoint, worker
 from rallypoint import goodput
 from rallypoint.errors import UsageError
+from rallypoint.goodput.timeline import cause
 
 TRAIN = worker("mem_train.py")
 
@@ -213,3 +214,16 @@ def test_the_sums_kept_event_by_event_are_the_account_at_every_moment() -> None:
             )
     # Each save holds up both nodes: n1's 0.5 s and n2's 1.5 s.
     assert whole.phases[goodput.CHECKPOINT] == pytest.approx(2 * (0.5 + 1.5))
+
+
+@pytest.mark.parametrize(
+    ("fields", "said"),
+    [
+        ({"signal": "SIGKILL", "stalled_seconds": 61.0, "hang": "rank 3 made no progress"}, "hang"),
+        ({"signal": "SIGKILL", "stalled_seconds": 5.0}, "watchdog"),
+        ({"signal": "SIGKILL", "out_of_memory": True}, "out of memory"),
+        ({"exit_code": 1}, "exit code 1"),
+    ],
+)
+def test_a_failure_s_cause_in_a_word(fields: dict[str, Any], said: str) -> None:
+    assert cause(fields) == said

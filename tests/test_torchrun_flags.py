@@ -198,10 +198,10 @@ def test_virtual_local_rank_with_too_few_devices_is_one_line() -> None:
 
 
 def test_the_watchdog_tells_virtual_local_ranks_apart(tmp_path: Path) -> None:
-    """Heartbeats carry the real local rank: both workers stay alive, neither is blamed."""
+    """Progress reports carry the real local rank: both workers stay alive, neither is blamed."""
     script = tmp_path / "beats.py"
     script.write_text(
-        "import time, rallypoint\nfor _ in range(30):\n    rallypoint.heartbeat()\n    time.sleep(0.1)\n"
+        "import time, rallypoint\nfor _ in range(30):\n    rallypoint.progress()\n    time.sleep(0.1)\n"
     )
     result = run(
         "rallypoint", "--nproc-per-node", "2", "--virtual-local-rank", "--watchdog-timeout", "2",

@@ -138,7 +138,12 @@ class LaunchConfig:
     node_labels: Mapping[str, str]
     checkpoint_dir: str | None
     event_log: str | None
-    watchdog_timeout: float | None  # seconds without a heartbeat; None: no watchdog
+    watchdog_timeout: float | None  # seconds without a progress signal; None: no watchdog
+    #: Hang detection (``rallypoint.agent.monitoring.hangs``): ``auto`` or ``off``, the
+    #: shortest deadline a rank is given, and how long a rank may be silent.
+    hang_detection: str
+    hang_floor: float
+    hang_ceiling: float
     logs_specs: str | None  # a torchrun.logs_specs entry point
     event_log_handler: str  # torch's event handler names: null, console, ...
     duplicate_stdout_filters: tuple[str, ...]
@@ -192,6 +197,12 @@ class LaunchConfig:
     @property
     def restart_conf(self) -> Mapping[str, Any]:
         return self.restart.options
+
+    @property
+    def progress_reports(self) -> bool:
+        """Whether workers count and report their progress: for hang detection or the
+        watchdog (``rallypoint.worker.progress_sources``)."""
+        return self.hang_detection != "off" or self.watchdog_timeout is not None
 
     @property
     def rank_assigner(self) -> str:

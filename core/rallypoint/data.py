@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-from rallypoint.worker.progress import heartbeat
+from rallypoint.worker.progress import progress
 
 #: Version of the ``state_dict()`` layout, kept in it for future changes.
 STATE_VERSION = 1
@@ -123,7 +123,7 @@ class ElasticSampler(Sampler[int]):
             )
         self._consumed = min(self.length, self._consumed + self.world_size * batch_size * steps)
         self.steps += steps
-        heartbeat(step=self.steps - 1)  # the agent's account: the step just done
+        progress(step=self.steps - 1)  # the agent's account: the step just done
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its first sample, unless it is the current epoch.

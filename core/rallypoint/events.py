@@ -27,7 +27,13 @@ SCALE_CHANGED = "scale_changed"
 #: ``nodes_waiting``. Never sent on a one-node job; a completed round means none wait.
 NODES_WAITING = "nodes_waiting"
 AGENT_STOPPING = "agent_stopping"
-#: The step this node's workers reached (``rallypoint.heartbeat(step=...)``, a checkpoint
+#: The agent found a local rank hung and is about to kill it
+#: (``rallypoint.agent.monitoring.hangs``): ``kind`` (``stuck``, ``collective``,
+#: ``silent`` or ``watchdog``), ``ranks`` (those killed), ``sentence`` (what it found,
+#: where each waited and was) and ``stacks`` (the attempt's directory, where each rank's
+#: ``stacks.txt`` holds every thread's stack). Its ``worker_failed`` events follow.
+HANG_DETECTED = "hang_detected"
+#: The step this node's workers reached (``rallypoint.progress(step=...)``, a checkpoint
 #: save, the ``ElasticSampler``, ``rallypoint.metrics.step``): ``step``, and
 #: ``step_seconds`` (the median time of a step here lately) once two steps are known.
 #: At most one every 2 s while the step moves, and one when the workers stop.
@@ -101,9 +107,13 @@ class WorkerFailure:
         message: the root cause, from the worker's error file when it wrote one, else the
             last line of the Python traceback it printed.
         timestamp: wall-clock time of the failure (seconds since the epoch); for a worker
-            the watchdog killed, the time of its last heartbeat.
-        stalled_seconds: set when the progress watchdog (``--watchdog-timeout``) killed
-            the worker: how long it had gone without a heartbeat; ``None`` otherwise.
+            killed for a hang, the time of its last progress signal.
+        stalled_seconds: set when the agent killed the worker for a hang (or by
+            ``--watchdog-timeout``): how long it had made no progress; ``None`` otherwise.
+        hang: for such a worker, the agent's one-line explanation: who made no progress,
+            where the others waited, and where it was (``rank 3 made no progress for
+            41 s while ranks 0-2 waited in all_reduce (train.py:88); rank 3 was at
+            data.py:120 in read()``); ``None`` otherwise.
         out_of_memory: the kernel's out-of-memory killer killed it (its log named the
             pid, or its memory cgroup counted an OOM kill meanwhile).
     """
@@ -117,6 +127,7 @@ class WorkerFailure:
     timestamp: float = 0.0
     stalled_seconds: float | None = None
     out_of_memory: bool = False
+    hang: str | None = None
 
 
 @dataclass(frozen=True)

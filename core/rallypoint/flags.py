@@ -487,11 +487,38 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "watchdog-timeout",
-        "Restart a worker silent this many seconds after a rallypoint.heartbeat() (default: off).",
+        "Restart a worker with no progress signal for this many seconds, whatever it does "
+        "(default: off; hang detection needs none).",
         None,
         float,
         minimum=0,
         then=_zero_is_off,
+    ),
+    Flag(
+        "hang-detection",
+        "auto: kill and restart a rank found hung, on evidence; off: never (default {default}).",
+        "auto",
+        choices=("auto", "off"),
+        show_default=False,
+    ),
+    Flag(
+        "hang-floor",
+        "The shortest deadline a rank's progress is given before it counts as hung, in "
+        "seconds (default {default}).",
+        "60",
+        float,
+        minimum=0,
+        exclusive_minimum=True,
+        show_default=False,
+    ),
+    Flag(
+        "hang-ceiling",
+        "Kill a rank silent, or alone in a collective, this many seconds (default {default}).",
+        "600",
+        float,
+        minimum=0,
+        exclusive_minimum=True,
+        show_default=False,
     ),
     Flag("logs-specs", "A torchrun.logs_specs entry point: where worker logs go.", None),
     Flag(
@@ -563,6 +590,12 @@ def parse_flags(given: Mapping[str, Any], environ: Mapping[str, str]) -> dict[st
     values["training_script"] = script = str(given.get("training_script") or "")
     values["training_script_args"] = tuple(given.get("training_script_args") or ())
     _check_script(script, values["module"], values["no_python"], values["run_path"])
+    if values["hang_ceiling"] < values["hang_floor"]:
+        raise UsageError(
+            f"--hang-ceiling {values['hang_ceiling']:g} is under --hang-floor "
+            f"{values['hang_floor']:g}: the ceiling is the longest a rank may be silent, "
+            "so give it at least the floor."
+        )
     return values
 
 

@@ -44,7 +44,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from rallypoint.worker import variables
-from rallypoint.worker.progress import heartbeat
+from rallypoint.worker.progress import progress
 
 __all__ = [
     "ENV",
@@ -357,8 +357,8 @@ def histogram(
 
 def step(value: int) -> None:
     """The training step this worker has reached (``rallypoint_training_step``); the
-    agent learns it too (``rallypoint.heartbeat(step=...)``)."""
-    heartbeat(step=value)
+    agent learns it too (``rallypoint.progress(step=...)``)."""
+    progress(step=value)
     gauge("rallypoint_training_step", "Training step the worker has reached.").set(value)
 
 

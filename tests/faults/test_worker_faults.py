@@ -1,7 +1,7 @@
 """Worker faults: one worker of a running job is killed, crashes, exits, raises or hangs.
 
 Each job is ``tests/workers/faulty.py``: two gloo workers on one node (standalone) that
-all-reduce every step and call ``rallypoint.heartbeat()``; the last rank injects the fault
+all-reduce every step and call ``rallypoint.progress()``; the last rank injects the fault
 once, at step 10, and writes when it did to ``fault.json``. Recovery is measured from that
 moment to the moment every rank of the restarted workers has completed an all-reduce
 (``record.jsonl``). Every worker's command line carries the test's job directory (the
@@ -103,11 +103,13 @@ CASES = [
     pytest.param(
         "hang",
         HANG,
-        r"made no progress for \d+\.\d s \(watchdog\)",
+        r"killed for a hang: rank 1 made no progress for \d+\.\d s \(watchdog\); "
+        r"rank 1 was at faulty\.py:\d+ in \w+\(\)",
         {"signal": "SIGKILL"},
         marks=pytest.mark.fault(
             f"Worker hangs (`--watchdog-timeout {WATCHDOG:g}`)",
-            expected=f"killed by the watchdog {WATCHDOG:g} s after its last heartbeat; {RESTARTED}",
+            expected=f"killed by the watchdog {WATCHDOG:g} s after its last progress signal, "
+            f"its line named; {RESTARTED}",
         ),
         id="hang",
     ),
@@ -181,7 +183,12 @@ def test_no_restart_left_fails_with_the_root_cause(
         assert "error: RuntimeError: injected fault at step 10" in stderr
     else:
         assert root["signal"] == "SIGKILL" and root["stalled_seconds"] >= WATCHDOG
-        assert re.search(r"root cause: rank 1 .*: made no progress for \d+\.\d s", stderr)
+        assert re.search(
+            r"root cause: rank 1 .*: killed for a hang: rank 1 made no progress for \d+\.\d s "
+            r"\(watchdog\); rank 1 was at faulty\.py:\d+ in inject\(\)",
+            stderr,
+        ), stderr
+        assert "faulty.py" in root["traceback"], root  # the stuck rank's main thread
     (stopping,) = events(job / "events.log", "agent_stopping")
     assert stopping["exit_code"] == 1
     recovery.seconds = round(stopping["wall_time"] - fault_time(job), 2)

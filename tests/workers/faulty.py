@@ -3,7 +3,7 @@
 Usage: faulty.py TAG_DIR [--steps N] [--fault KIND --at STEP] [--rank R]
                  [--step-seconds S] [--save-every N] [--state-kb KB] [--asynchronous]
 
-Every step: ``rallypoint.heartbeat()``, an all-reduce over gloo (checked), a short sleep.
+Every step: ``rallypoint.progress()``, an all-reduce over gloo (checked), a short sleep.
 At step ``--at`` the worker of rank ``--rank`` (default: the last rank) injects KIND:
 sigkill, sigsegv (a real segmentation fault), exit1, exit137 (exit codes), exception
 (RuntimeError), hang (sleeps forever; the agent's watchdog must kill it). It fires once
@@ -82,7 +82,7 @@ def inject(kind: str, step: int) -> None:
     elif kind == "exception":
         raise RuntimeError(f"injected fault at step {step}")
     elif kind == "hang":
-        while True:  # no heartbeat, no collective: only the watchdog ends this
+        while True:  # no progress, no collective: only the agent ends this
             time.sleep(1)
 
 
@@ -106,12 +106,12 @@ if args.save_every:
     )
 
 for step in range(start, args.steps):
-    # Before this step's heartbeat, like a hang in fetching the step's batch: the peers
-    # start the step (and beat) and wait in its all-reduce, so the rank that hangs is the
-    # one with the oldest heartbeat, the one the watchdog's report blames.
+    # Before this step's progress(), like a hang in fetching the step's batch: the peers
+    # start the step (and say so) and wait in its all-reduce, so the rank that hangs is the
+    # one whose progress is the oldest, the one the agent's report blames.
     if args.fault != "none" and rank == fault_rank and step == args.at and claim_fault():
         inject(args.fault, step)
-    rallypoint.heartbeat()
+    rallypoint.progress()
     total = torch.tensor([float(rank + 1)])
     dist.all_reduce(total)
     assert total.item() == world * (world + 1) / 2, total

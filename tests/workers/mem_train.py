@@ -6,7 +6,7 @@ Usage: mem_train.py STEPS [--step-seconds S] [--kill-rank R --kill-at STEP]
        [--save-every N] [--busy-rank R --busy-seconds S]
 
 With ``--save-every N`` rank 0 saves after every N-th step only. Every rank tells its
-agent each step (``rallypoint.heartbeat(step=...)``). Rank R of ``--busy-rank`` computes
+agent each step (``rallypoint.progress(step=...)``). Rank R of ``--busy-rank`` computes
 S seconds more than the others before each step's all-reduce (a straggler).
 
 Only a fresh start (nothing loaded) kills: rank R SIGKILLs itself in step STEP, after
@@ -73,7 +73,7 @@ for step in range(start, args.steps):
     if fresh and rank == args.kill_rank and step == args.kill_at:
         die()  # after the all-reduce: rank 0's save of the step before has returned
     state["w"] += 1
-    rallypoint.heartbeat(step=step)  # rank 0's save would say it too; the others' would not
+    rallypoint.progress(step=step)  # rank 0's save would say it too; the others' would not
     if rank == 0 and (step + 1) % args.save_every == 0:
         if fresh and step == args.tear_at:  # killed by the copy, its record saying WRITING
             torch.Tensor.copy_ = lambda *args, **kwargs: die()  # type: ignore[method-assign]

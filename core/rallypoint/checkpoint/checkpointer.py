@@ -156,10 +156,11 @@ class Checkpointer:
                 asynchronous save that fails logs the error at once and raises it from the
                 next ``save`` or ``wait``, unless a newer save is complete by then.
         """
-        progress.heartbeat(step=step)  # every rank: the step is what the agent accounts by
-        if self.rank == 0:
-            self._modes[asynchronous].save(Job(state, step, asynchronous))
-        self._hold_on_notice(step)
+        progress.progress(step=step)  # every rank: the step is what the agent accounts by
+        with progress.phase(progress.CHECKPOINT_SAVE):  # holding on notice included
+            if self.rank == 0:
+                self._modes[asynchronous].save(Job(state, step, asynchronous))
+            self._hold_on_notice(step)
 
     def _hold_on_notice(self, step: int) -> None:
         """After a save on notice: the save complete, wait for the agent to stop us."""
@@ -188,8 +189,9 @@ class Checkpointer:
         if self.memory is not None:
             self.save_shares(state, step, asynchronous=asynchronous)
             return
-        self._dcp.save(Job(state, step))
-        self._hold_on_notice(step)
+        with progress.phase(progress.CHECKPOINT_SAVE):
+            self._dcp.save(Job(state, step))
+            self._hold_on_notice(step)
 
     def save_shares(
         self,
@@ -203,10 +205,11 @@ class Checkpointer:
         ``--checkpoint-memory``; ``placed`` as for ``Arena.save``)."""
         if self.memory is None:
             raise CheckpointError("no --checkpoint-memory: no arena to save into")
-        progress.heartbeat(step=step)
+        progress.progress(step=step)
         job = Job(state, step, asynchronous, format="sharded", placed=placed)
-        self._modes[asynchronous].save(job)
-        self._hold_on_notice(step)
+        with progress.phase(progress.CHECKPOINT_SAVE):
+            self._modes[asynchronous].save(job)
+            self._hold_on_notice(step)
 
     def load_sharded(self, state: dict[str, Any]) -> Checkpoint | None:
         """Load the newest complete sharded checkpoint into ``state`` in place (every rank,
@@ -218,7 +221,8 @@ class Checkpointer:
         ``torch.distributed.checkpoint`` (``rallypoint.checkpoint.slot_reader``), as are
         checkpoints that ``save_sharded`` wrote there with DCP itself."""
         reading = loading_into(state)
-        return newest(self._tiers().sharded(reading))
+        with progress.phase(progress.CHECKPOINT_LOAD):
+            return newest(self._tiers().sharded(reading))
 
     # --- loading --------------------------------------------------------------------------
 
@@ -236,7 +240,8 @@ class Checkpointer:
         from the saved device to another); a memory copy goes straight to a GPU.
         """
         options = {"map_location": map_location, "weights_only": weights_only}
-        return newest(self._tiers().replicated(options))
+        with progress.phase(progress.CHECKPOINT_LOAD):
+            return newest(self._tiers().replicated(options))
 
     def steps(self) -> list[int]:
         """The steps of the complete checkpoints anywhere (memory, a peer's, durable),

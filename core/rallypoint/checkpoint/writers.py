@@ -88,7 +88,7 @@ class DurableWriter:
         try:
             tier.begin(step)
             with tier.writer(f"{name}/{STATE_FILE}") as handle:
-                writer = mf.HashingWriter(handle, progress.heartbeat if blocked is None else None)
+                writer = mf.HashingWriter(handle, progress.progress if blocked is None else None)
                 torch.save(staged, writer)  # type: ignore[arg-type]
             tier.commit(step, self.world_size, "torch", {STATE_FILE: writer.entry})
         except Exception as error:

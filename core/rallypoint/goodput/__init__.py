@@ -6,7 +6,7 @@ redone, stopping); goodput is training's share. Training is what stayed done: th
 a restart did again are ``redone``, counted lost.
 
 Steps come from the workers' progress (``progress`` events, checkpoint saves and loads;
-see ``rallypoint.heartbeat``). A script that reports none is accounted at phase level only:
+see ``rallypoint.progress``). A script that reports none is accounted at phase level only:
 its redone time is counted as training, and ``Account.steps_known`` says so.
 
 One ``Accountant`` (``accountant.py``) serves every reader: ``rallypoint report`` over the

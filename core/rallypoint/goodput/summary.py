@@ -13,7 +13,7 @@ from rallypoint.goodput.phases import TRAINING
 
 #: What a report says of a job whose workers reported no steps.
 NO_STEPS = (
-    "the workers reported no steps (rallypoint.heartbeat(step=...), a checkpoint save, the "
+    "the workers reported no steps (rallypoint.progress(step=...), a checkpoint save, the "
     "ElasticSampler or rallypoint.metrics.step): steps redone after a restart count as training"
 )
 

@@ -150,9 +150,11 @@ class NodeTimeline:
 
 def cause(data: Mapping[str, Any]) -> str:
     """A failure's cause in a word or two: ``SIGKILL``, ``exit code 1``, ``out of memory``,
-    ``watchdog``."""
+    ``hang``, ``watchdog``."""
     if data.get("out_of_memory"):
         return "out of memory"
+    if data.get("hang"):
+        return "hang"
     if data.get("stalled_seconds") is not None:
         return "watchdog"
     if data.get("signal"):

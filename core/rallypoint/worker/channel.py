@@ -1,5 +1,6 @@
 """Events from workers to their agent: checkpoint saves and loads, for the metrics sinks,
-and heartbeats, for the watchdog (``rallypoint.worker.progress``).
+and progress reports, for hang detection and the goodput account
+(``rallypoint.worker.progress``).
 
 The agent listens on a Unix datagram socket and names its path in
 ``RALLYPOINT_EVENTS_SOCKET``; a worker sends one JSON object per event. The socket lies in
@@ -33,10 +34,11 @@ from rallypoint.worker import variables
 ENV = variables.EVENTS_SOCKET
 #: The events a worker may send; anything else is ignored by the agent.
 WORKER_EVENTS = frozenset({events.CHECKPOINT_SAVED, events.CHECKPOINT_LOADED, events.PEER_REFUSED})
-#: A worker's sign of progress: for the agent's watchdog only, never an event of the run.
-HEARTBEAT = "heartbeat"
+#: A worker's progress report: for the agent's hang detection and step account only, never an
+#: event of the run.
+PROGRESS = "progress"
 #: A worker's messages about saves on notice (``rallypoint.worker.notice_watch``): for the agent
-#: only, like heartbeats.
+#: only, like progress reports.
 NOTICE_WATCHING = "notice_watching"
 NOTICE_HELD = "notice_held"
 NOTICES = frozenset({NOTICE_WATCHING, NOTICE_HELD})
@@ -83,17 +85,17 @@ def socket_directory() -> str:
 
 class Receiver:
     """The agent's end: hands every valid worker event to ``deliver(name, data)``, every
-    heartbeat to ``heartbeat(data)`` and every notice message to ``notice(name, data)``
+    progress report to ``progress(data)`` and every notice message to ``notice(name, data)``
     when given (else they are dropped). Its thread ends with ``close``, and only then."""
 
     def __init__(
         self,
         deliver: Callable[[str, dict[str, Any]], object],
-        heartbeat: Callable[[dict[str, Any]], object] | None = None,
+        progress: Callable[[dict[str, Any]], object] | None = None,
         notice: Callable[[str, dict[str, Any]], object] | None = None,
     ) -> None:
         self._deliver = deliver
-        self._heartbeat = heartbeat
+        self._progress = progress
         self._notice = notice
         #: The directory that holds the socket: the agent's keeper removes it if the agent
         #: is killed.
@@ -161,11 +163,11 @@ class Receiver:
             name = data.pop("event")
         except (ValueError, KeyError, TypeError, AttributeError):
             return  # an empty datagram among them
-        if name == HEARTBEAT and self._heartbeat is not None:
+        if name == PROGRESS and self._progress is not None:
             try:
-                self._heartbeat(data)
-            except Exception:  # a malformed heartbeat must not end the receiver
-                logger.exception("a worker heartbeat could not be handled")
+                self._progress(data)
+            except Exception:  # a malformed report must not end the receiver
+                logger.exception("a worker's progress report could not be handled")
         elif name in NOTICES and self._notice is not None:
             try:
                 self._notice(name, data)

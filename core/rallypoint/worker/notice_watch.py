@@ -23,7 +23,7 @@ import time
 from rallypoint.worker import channel, progress, variables
 
 ENV = variables.SAVE_NOTICE
-#: The worker's messages to its agent (control messages, like heartbeats: not events).
+#: The worker's messages to its agent (control messages, like progress reports: not events).
 WATCHING = channel.NOTICE_WATCHING
 HELD = channel.NOTICE_HELD
 #: No notice.
@@ -69,7 +69,7 @@ def should_save(step: int, every: int | None = None) -> bool:
         _announced = True
         if _target() is not None:
             channel.send(WATCHING)
-    progress.heartbeat(step=step)  # the agent picks a notice's step from the newest
+    progress.progress(step=step)  # the agent picks a notice's step from the newest
     if every is not None and every > 0 and step % every == 0:
         return True
     return requested(step)

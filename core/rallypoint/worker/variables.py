@@ -9,6 +9,7 @@ variable in the agent's environment never switches anything on in its workers.
 from __future__ import annotations
 
 import os
+import signal
 
 # torchrun's.
 RANK = "RANK"
@@ -57,9 +58,18 @@ SAVE_NOTICE = "RALLYPOINT_SAVE_NOTICE"
 JOB_TOKEN = "RALLYPOINT_JOB_TOKEN"
 #: Where ``rallypoint.metrics`` records, when a chosen sink exports worker metrics.
 METRICS_DIR = "RALLYPOINT_METRICS_DIR"
-#: ``--watchdog-timeout`` when the watchdog is on: ``rallypoint.heartbeat()`` sends nothing
-#: without it.
-PROGRESS_TIMEOUT = "RALLYPOINT_PROGRESS_TIMEOUT"
+#: Seconds between two progress reports to the agent (``rallypoint.worker.progress_reporter``);
+#: unset: none (a new step is still sent, for the goodput account).
+PROGRESS_REPORTS = "RALLYPOINT_PROGRESS_REPORTS"
+#: Where the worker's ``faulthandler`` writes every thread's stack on ``STACKS_SIGNAL``.
+STACKS_FILE = "RALLYPOINT_STACKS_FILE"
+#: The signal the agent sends for those stacks: a real-time one, which neither Python nor
+#: torch uses. Its default action ends a process: only a worker that registered it may get it.
+STACKS_SIGNAL = signal.SIGRTMIN + 4
+#: A cold worker's own ``PYTHONPATH`` while the startup folder stands first on it
+#: (``rallypoint.worker.progress_sources.cold_start_environment``): its value exactly, empty
+#: included; absent where it had none. The worker's ``sitecustomize`` puts it back.
+SAVED_PYTHONPATH = "RALLYPOINT_PYTHONPATH"
 
 
 def env_int(name: str) -> int | None:

@@ -25,7 +25,7 @@ from rallypoint.sdk import Event
 logger = logging.getLogger(__name__)
 
 #: Noticing a failure: milliseconds for a worker's exit, up to the liveness TTL for a lost
-#: node and the watchdog's timeout for a hang.
+#: node and a hang's deadline (a minute by default, up to the ceiling's ten).
 DETECT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 30, 60, 120, 300, 600)
 #: From a failure to the next step: under a second with warm workers and a memory
 #: checkpoint, up to an hour when nodes must be replaced.

@@ -108,6 +108,13 @@ class PrometheusSink:
             (*LABELS, "exit_reason"),
             registry=registry,
         )
+        self.hangs = Counter(
+            "rallypoint_hangs",
+            "Hangs this node's agent found and killed, by kind (stuck, collective, silent, "
+            "watchdog).",
+            (*LABELS, "kind"),
+            registry=registry,
+        )
         self.restarts = Counter(
             "rallypoint_restarts",
             "Worker group restarts, by cause (failure or membership).",
@@ -226,7 +233,11 @@ class PrometheusSink:
             reason = data.get("signal") or f"exit_code_{data.get('exit_code')}"
             if data.get("out_of_memory"):
                 reason = "out_of_memory"
+            elif data.get("hang"):
+                reason = "hang"
             self.failures.labels(**labels, exit_reason=str(reason)).inc()
+        elif name == sdk.HANG_DETECTED:
+            self.hangs.labels(**labels, kind=str(data.get("kind", "stuck"))).inc()
         elif name == sdk.WORKERS_RESTARTED:
             self.restarts.labels(**labels, cause=str(data.get("cause", "failure"))).inc()
         elif name == sdk.CHECKPOINT_SAVED:

@@ -203,3 +203,16 @@ def test_a_metric_file_being_created_does_not_fail_the_scrape(tmp_path: Path) ->
             end_worker(running)
     finally:
         sink.close()
+
+
+def test_a_hang_is_counted_by_kind_and_its_worker_failure_as_a_hang() -> None:
+    sink = create_sink({"port": 0, "addr": "127.0.0.1"})
+    try:
+        sink.emit(Event(sdk.HANG_DETECTED, RUN, {"kind": "stuck", "ranks": [3]}))
+        failure = {"rank": 3, "signal": "SIGKILL", "hang": "rank 3 made no progress for 61 s"}
+        sink.emit(Event(sdk.WORKER_FAILED, RUN, failure))
+        text = fetch(f"http://127.0.0.1:{sink.port}/metrics")
+        assert value(text, f'rallypoint_hangs_total{{kind="stuck",{LABELS}}}') == 1
+        assert value(text, f'rallypoint_worker_failures_total{{exit_reason="hang",{LABELS}}}') == 1
+    finally:
+        sink.close()

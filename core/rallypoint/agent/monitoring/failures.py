@@ -130,6 +130,8 @@ def _signal_number(name: str | None) -> int:
 
 
 def describe_exit(failure: WorkerFailure) -> str:
+    if failure.hang:
+        return f"killed for a hang: {failure.hang}"
     if failure.stalled_seconds is not None:
         return f"made no progress for {failure.stalled_seconds:.1f} s (watchdog)"
     if failure.signal:
@@ -175,6 +177,7 @@ def failure_of(worker: Worker, wall_time: float, out_of_memory: bool = False) ->
         timestamp=wall_time,
         stalled_seconds=None if worker.stalled_for is None else round(worker.stalled_for, 3),
         out_of_memory=out_of_memory,
+        hang=worker.hang,
     )
 
 
@@ -221,7 +224,7 @@ def build_report(
     primary = [f for f in failures if not caused_by_peer(by_rank[f.local_rank])]
     root = min(primary or failures, key=lambda f: f.timestamp)
     worker = by_rank[root.local_rank]
-    trace = _read_traceback(worker.spec.error_file) or "".join(worker.stderr_tail)
+    trace = _read_traceback(worker.spec.error_file) or worker.stack or "".join(worker.stderr_tail)
     return FailureReport(
         run_id=run_id,
         host=socket.gethostname(),

@@ -1,4 +1,5 @@
-"""The steps this node's workers reached, from their heartbeats (``rallypoint.heartbeat``).
+"""The steps this node's workers reached, from their progress reports (the step each
+gave last: ``rallypoint.progress(step=N)``, a checkpoint save, the ``ElasticSampler``).
 
 The agent reports them as ``progress`` events: at most one every PROGRESS_INTERVAL while
 the step moves, and one more when the attempt ends, so that the event log says which step
@@ -14,7 +15,7 @@ import math
 import statistics
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 #: The shortest time between two progress events of one attempt (seconds).
@@ -24,13 +25,11 @@ STEP_WINDOW = 20
 
 
 class Progress:
-    """The current attempt's steps, by local rank; heartbeats also go to ``forward`` (the
-    watchdog's)."""
+    """The current attempt's steps, by local rank."""
 
-    def __init__(self, forward: Callable[[Mapping[str, Any]], object] | None = None) -> None:
-        self._forward = forward
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._since = math.inf  # no attempt yet: every heartbeat is stale
+        self._since = math.inf  # no attempt yet: every report is stale
         self._steps: dict[int, tuple[int, float]] = {}  # local rank -> (step, when)
         self._durations: dict[int, deque[float]] = {}
         self._reported: int | None = None  # the step of the last progress event
@@ -44,11 +43,10 @@ class Progress:
             self._durations.clear()
             self._reported, self._reported_at = None, -math.inf
 
-    def beat(self, data: Mapping[str, Any]) -> None:
-        """One heartbeat from the worker channel (``local_rank``, ``sent``, ``step``)."""
-        if self._forward is not None:
-            self._forward(data)
-        values: list[Any] = [data.get("local_rank"), data.get("sent"), data.get("step")]
+    def report(self, data: Mapping[str, Any]) -> None:
+        """One progress report from the worker channel: ``local_rank``, ``step`` and
+        ``step_at`` (when the worker reached it, on the host's monotonic clock)."""
+        values: list[Any] = [data.get("local_rank"), data.get("step_at"), data.get("step")]
         if not all(_number(v) for v in values):
             return
         local_rank, sent, step = int(values[0]), float(values[1]), int(values[2])

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from rallypoint.config import LaunchConfig
 from rallypoint.interfaces import Assignment
 from rallypoint.worker import variables
+from rallypoint.worker.progress_reporter import REPORT_INTERVAL
 
 #: ``--checkpoint-memory``'s variables: set per worker, and never inherited from the agent.
 MEMORY_TIER_VARIABLES = (
@@ -56,7 +57,8 @@ PER_WORKER = frozenset(
         *MEMORY_TIER_VARIABLES,
         variables.EVENTS_SOCKET,
         variables.METRICS_DIR,
-        variables.PROGRESS_TIMEOUT,
+        variables.PROGRESS_REPORTS,
+        variables.STACKS_FILE,
         variables.SAVE_NOTICE,
     }
 )
@@ -73,7 +75,8 @@ def job_environment(config: LaunchConfig, base: Mapping[str, str] | None = None)
     # Inherited (an agent run by a worker): not this agent's watchdog, nor its memory.
     # The job's secret is the agents': no worker gets it.
     for name in (
-        variables.PROGRESS_TIMEOUT,
+        variables.PROGRESS_REPORTS,
+        variables.STACKS_FILE,
         variables.SAVE_NOTICE,
         variables.JOB_TOKEN,
         *MEMORY_TIER_VARIABLES,
@@ -95,6 +98,7 @@ def worker_environment(
     memory_tier_dir: str | None = None,
     checkpoint_step: int | None = None,
     save_notice: str | None = None,
+    stacks_file: str | None = None,
     base: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The full environment of the worker ``local_rank`` for this round and attempt."""
@@ -127,21 +131,30 @@ def worker_environment(
     )
     if config.virtual_local_rank:
         environ.update(_own_device(local_rank))
-    watchdog = f"{config.watchdog_timeout:g}" if config.watchdog_timeout else None
     optional = {
         variables.CHECKPOINT_URL: config.checkpoint_dir,
         variables.CHECKPOINT_MEMORY_DIR: memory_tier_dir,
         variables.CHECKPOINT_STEP: None if checkpoint_step is None else str(checkpoint_step),
         variables.EVENTS_SOCKET: events_socket,
         variables.METRICS_DIR: metrics_dir,
-        variables.PROGRESS_TIMEOUT: watchdog,
         variables.SAVE_NOTICE: save_notice,
+        **(_progress_reports(stacks_file) if config.progress_reports else {}),
+        **(_memory_tier(config) if memory_tier_dir else {}),
     }
     environ.update({name: value for name, value in optional.items() if value})
-    if memory_tier_dir:
-        environ[variables.CHECKPOINT_MEMORY_BYTES] = str(config.checkpoint_memory)
-        environ[variables.CHECKPOINT_MEMORY_KEEP] = str(config.checkpoint_memory_keep)
     return environ
+
+
+def _progress_reports(stacks_file: str | None) -> dict[str, str | None]:
+    """A worker's progress reports, for hang detection (``rallypoint.worker.progress_sources``)."""
+    return {variables.PROGRESS_REPORTS: f"{REPORT_INTERVAL:g}", variables.STACKS_FILE: stacks_file}
+
+
+def _memory_tier(config: LaunchConfig) -> dict[str, str | None]:
+    return {
+        variables.CHECKPOINT_MEMORY_BYTES: str(config.checkpoint_memory),
+        variables.CHECKPOINT_MEMORY_KEEP: str(config.checkpoint_memory_keep),
+    }
 
 
 def _own_device(local_rank: int) -> dict[str, str]:

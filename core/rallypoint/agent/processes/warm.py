@@ -29,8 +29,12 @@ from rallypoint.agent.processes.keeper import Keeper, WarmRefused
 from rallypoint.agent.processes.preload import imported
 from rallypoint.agent.processes.workers import WorkerSpec
 from rallypoint.config import LaunchConfig
+from rallypoint.worker import variables
+from rallypoint.worker.progress_sources import cold_start_environment
 
 logger = logging.getLogger("rallypoint.agent")
+
+PROGRESS_SOURCES = "rallypoint.worker.progress_sources"
 
 #: Seconds the first workers wait for the preloaded interpreter's imports before they
 #: start cold (a module that hangs when imported must not hang the job).
@@ -61,6 +65,9 @@ class WarmStart:
             self.path0 = command.path0()
             found = imported(command.target, self.path0, module=command.kind == "module")
             self.preload = tuple(dict.fromkeys((*found, *config.preload)))
+        # Installed in each worker after the fork: imported once, here (never named in
+        # what the agent says it imports: it is rallypoint's, not the job's).
+        self._own = (PROGRESS_SOURCES,) if config.progress_reports else ()
         self._said: set[str] = set()
 
     def prepare(self, keeper: Keeper) -> None:
@@ -69,7 +76,7 @@ class WarmStart:
             folder = os.path.dirname(zygote.__file__)
             argv = [sys.executable, "-u", "-c", zygote.BOOT, self.path0, folder]
             shown = len("\0".join(self.argv)) + 1  # each worker writes it there
-            keeper.prepare([*argv, ",".join(self.preload), " " * shown], self.env)
+            keeper.prepare([*argv, ",".join((*self.preload, *self._own)), " " * shown], self.env)
 
     def getting_ready(self, keeper: Keeper) -> str | None:
         """What the preloaded interpreter still does before workers can fork from it; None
@@ -95,7 +102,14 @@ class WarmStart:
                     keeper.warm, keeper.warm_reason = "died", str(refused)
                 level = logging.INFO if refused.gone else logging.WARNING
                 self._say(keeper.warm_reason, level)
-        return keeper.spawn(self.argv, dict(spec.env), stdout, stderr, spec.cpus)
+        environ = dict(spec.env)
+        # What the fork does for a warm worker (zygote), a cold one's sitecustomize does.
+        # Here, not in worker_environment: a PYTHONPATH of its own would make every worker's
+        # environment differ from the preloaded interpreter's, so none would start warm.
+        # Not for --no-python: every Python the program starts would take it up.
+        if variables.PROGRESS_REPORTS in environ and self.command.kind != "program":
+            environ = cold_start_environment(environ)
+        return keeper.spawn(self.argv, environ, stdout, stderr, spec.cpus)
 
     def started(self, keeper: Keeper) -> None:
         """After a group started: a preloaded interpreter that died is prepared again, in

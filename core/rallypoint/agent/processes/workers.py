@@ -81,10 +81,12 @@ class Worker:
     started: float
     exited: float | None = None  # monotonic time of the exit, as the keeper saw it
     traceback_seen: float | None = None  # when it began printing a Python traceback
-    # Set when the progress watchdog killed it: its last heartbeat (monotonic), and for how
-    # long it had been silent then.
+    # Set when it was killed for a hang (or by the watchdog): its last progress signal
+    # (monotonic), for how long it had made none then, and the hang's sentence.
     stalled_since: float | None = None
     stalled_for: float | None = None
+    hang: str | None = None
+    stack: str | None = None  # its main thread's stack then, as a traceback
     stderr_tail: collections.deque[str] = field(
         default_factory=lambda: collections.deque(maxlen=_TAIL_LINES)
     )

@@ -17,7 +17,8 @@ In the child, before the script runs: default signal handlers, a session of its 
 ``PR_SET_PDEATHSIG`` (it dies with this interpreter, which dies with the keeper), its
 stdout and stderr, working directory, CPUs and environment, what a fresh interpreter draws
 or makes for itself (``_fresh_process_state``: the random generators, ``multiprocessing``'s
-key and helpers), ``sys.argv`` and a fresh ``__main__``. It ends as an interpreter does (``_finish``): ``sys.exit``'s status, an
+key and helpers), the progress sources a cold worker's ``sitecustomize`` installs
+(``rallypoint.worker.progress_sources``), ``sys.argv`` and a fresh ``__main__``. It ends as an interpreter does (``_finish``): ``sys.exit``'s status, an
 uncaught exception printed by ``sys.excepthook`` and 1, threads joined, ``atexit`` handlers
 run, output flushed; but then it exits at once, without the teardown of every module.
 
@@ -73,6 +74,9 @@ BOOT = (
 #: A module named with ``--preload`` that is not installed fails the preload; torch, which
 #: the agent preloads when the script imports it, does not: its workers fail as they would.
 IMPLICIT = "torch"
+#: rallypoint.worker.variables.PROGRESS_REPORTS (this module imports no rallypoint): set, the
+#: worker counts its progress (``rallypoint.worker.progress_sources``).
+PROGRESS_REPORTS = "RALLYPOINT_PROGRESS_REPORTS"
 
 
 # --- the preloaded interpreter ------------------------------------------------------------
@@ -220,6 +224,8 @@ def _become_worker(request: dict[str, Any], fds: list[int]) -> NoReturn:
         del os.environ[name]
     os.environ.update(request["set"])
     _fresh_process_state()
+    if os.environ.get(PROGRESS_REPORTS):
+        _install_progress_sources()
     show_command_line(request["argv"])
     try:
         _run(request["kind"], request["target"], request["args"])
@@ -309,6 +315,16 @@ def _fresh_process_state() -> None:
     if util is not None:
         util._run_after_forkers()  # what multiprocessing runs in a child it forks
     _forget_helpers()
+
+
+def _install_progress_sources() -> None:
+    """What a cold worker's ``sitecustomize`` does (torch, imported here, is patched at once).
+    Imported by name, in the worker only: the preloaded interpreter imports the standard
+    library alone, from this folder rather than the package (see above)."""
+    try:
+        importlib.import_module("rallypoint.worker.progress_sources").install()
+    except Exception as error:
+        print(f"rallypoint: no progress reports from this worker: {error!r}", file=sys.stderr)
 
 
 def _forget_helpers() -> None:

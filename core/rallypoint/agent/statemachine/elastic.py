@@ -102,10 +102,10 @@ class Agent:
         if config.checkpoint_dir or config.checkpoint_memory:
             self.notice = SaveNotice(self.run_dir if self.memory is None else self.memory.path)
         # Workers report checkpoint saves and loads here; they reach the bus like ours.
-        # Their heartbeats (the step reached) go to the monitor's progress.
+        # Their progress reports go to the monitor (steps, and hang detection).
         self._worker_events = Receiver(
             self._worker_event,
-            heartbeat=self.monitor.progress.beat,
+            progress=self.monitor.report,
             notice=None if self.notice is None else self.notice.message,
         )
         self.supervisor = WorkerSupervisor(
@@ -204,7 +204,7 @@ class Agent:
             if stop is not None:
                 return stop
             resume = None if self.memory is None else self.memory.resume_step(assignment)
-            self.monitor.watch(time.monotonic())
+            self.monitor.watch(time.monotonic(), assignment.info.world_size)
             group = self.supervisor.start(assignment, restarts.count, restarts.attempts, resume)
             restarts.attempts += 1
             started = time.monotonic()

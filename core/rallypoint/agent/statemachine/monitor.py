@@ -1,9 +1,10 @@
 """Watching a running attempt: how it ends, the steps it reaches, and who is slow.
 
-The monitor wakes every ``--monitor-interval`` (sooner for a signal, a worker's exit or a
-watchdog deadline) to ask, in order: a signal? a worker failed? all done? a worker stalled
-(``--watchdog-timeout``: killed, a failure)? a node waiting to join (a membership change)?
-In between it reports the attempt's progress, this node's pace, and the round's stragglers.
+The monitor wakes every ``--monitor-interval`` (every second at most while hang detection
+is on, sooner for a signal or a worker's exit) to ask, in order: a signal? a worker failed?
+all done? a rank hung (``monitoring.hangs``: its stacks taken, then killed, a failure)? a
+node waiting to join (a membership change)? In between it reports the attempt's progress,
+this node's pace, and the round's stragglers.
 """
 
 from __future__ import annotations
@@ -11,12 +12,15 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections.abc import Mapping
+from typing import Any
 
 from rallypoint import events
 from rallypoint.agent.monitoring.eventbus import EventBus
+from rallypoint.agent.monitoring.hangs import HangSettings, HangWatch
+from rallypoint.agent.monitoring.hung_ranks import HungRanks
 from rallypoint.agent.monitoring.steps import Progress
 from rallypoint.agent.monitoring.stragglers import Pace, stragglers
-from rallypoint.agent.monitoring.watchdog import Watchdog
 from rallypoint.agent.processes.workers import WorkerGroup
 from rallypoint.agent.statemachine.signals import SignalWatch
 from rallypoint.config import LaunchConfig
@@ -33,8 +37,9 @@ class Outcome(enum.Enum):
 
 
 class WorkerMonitor:
-    """This node's view of the running attempt: its steps (``progress``, fed by the worker
-    channel's heartbeats), its pace, the watchdog's deadlines and the round's stragglers."""
+    """This node's view of the running attempt: its steps (``progress``) and its ranks'
+    hangs (``hangs``), both fed by the workers' progress reports, its pace and the round's
+    stragglers."""
 
     def __init__(
         self,
@@ -51,21 +56,33 @@ class WorkerMonitor:
         self.bus = bus
         self.signals = signals
         self.pace = pace  # shared with the rendezvous, which hands it to the other nodes
-        self.watchdog = Watchdog(config.watchdog_timeout) if config.watchdog_timeout else None
-        # Heartbeats (the step reached) go to progress, and on to the watchdog.
-        self.progress = Progress(None if self.watchdog is None else self.watchdog.beat)
+        self.hangs = HangWatch(
+            HangSettings(
+                config.hang_detection,
+                config.hang_floor,
+                config.hang_ceiling,
+                config.watchdog_timeout,
+            )
+        )
+        self.hung = HungRanks(self.hangs, bus)
+        self.progress = Progress()
         self.stragglers: tuple[str, ...] = ()  # the nodes found slow in this attempt
         self._named = False  # whether this node was named a straggler in this attempt
         self._nodes_waiting = 0  # as the last nodes_waiting event said
 
-    def watch(self, now: float) -> None:
-        """A new attempt's workers start at ``now`` (monotonic): forget the last one's."""
+    def report(self, data: Mapping[str, Any]) -> None:
+        """A worker's progress report (the worker channel's receiver thread)."""
+        self.progress.report(data)
+        self.hangs.report(data, time.monotonic())
+
+    def watch(self, now: float, world_size: int) -> None:
+        """A new attempt's workers start at ``now`` (monotonic), in a job of ``world_size``
+        ranks: forget the last one's."""
         self.progress.watch(now)
+        self.hangs.watch(now, world_size)
         self.pace.reset()
         self.stragglers, self._named = (), False
         self._nodes_waiting = 0  # those that waited are in the round that starts
-        if self.watchdog is not None:
-            self.watchdog.watch(now)
 
     def outcome(self, group: WorkerGroup) -> Outcome:
         """Watch the workers until they all succeed, one fails, a node arrives or a signal."""
@@ -77,7 +94,7 @@ class WorkerMonitor:
                 return Outcome.FAILED
             if not group.running():
                 return Outcome.SUCCEEDED
-            if self._kill_stalled(group):
+            if self.hung.kill(group, time.monotonic()):
                 return Outcome.FAILED
             waiting = self.handler.nodes_waiting()
             if waiting != self._nodes_waiting:
@@ -86,10 +103,7 @@ class WorkerMonitor:
             if waiting > 0:
                 return Outcome.MEMBERSHIP_CHANGED
             self.report_progress(group)
-            timeout = self.config.monitor_interval
-            if self.watchdog is not None:
-                ranks = [w.spec.local_rank for w in group.running()]
-                timeout = min(timeout, self.watchdog.seconds_left(ranks, time.monotonic()))
+            timeout = min(self.config.monitor_interval, self.hangs.seconds_left())
             group.wait(timeout, self.signals.fileno())
             self.signals.drain()
 
@@ -121,23 +135,3 @@ class WorkerMonitor:
     def _own_pace(self) -> dict[str, float]:
         seconds = self.pace.seconds()
         return {} if seconds is None else {self.node_id: seconds}
-
-    def _kill_stalled(self, group: WorkerGroup) -> bool:
-        """Kill the running workers the watchdog finds overdue; return whether there were any."""
-        if self.watchdog is None:
-            return False
-        now = time.monotonic()
-        overdue = self.watchdog.overdue([w.spec.local_rank for w in group.running()], now)
-        stalled = [w for w in group.running() if w.spec.local_rank in overdue]
-        for worker in stalled:
-            worker.stalled_since = overdue[worker.spec.local_rank]
-            worker.stalled_for = now - worker.stalled_since
-            logger.warning(
-                "rank %d (pid %d) made no progress for %.1f s (--watchdog-timeout %g): killing it",
-                worker.spec.rank,
-                worker.pid,
-                worker.stalled_for,
-                self.watchdog.timeout,
-            )
-        group.kill(stalled)
-        return bool(stalled)

@@ -100,6 +100,7 @@ class WorkerSupervisor:
                 memory_tier_dir=None if self.memory_path is None else str(self.memory_path),
                 checkpoint_step=resume,
                 save_notice=None if self.notice is None else str(self.notice.path),
+                stacks_file=str(_stacks_file(attempt_dir, local_rank)),
             )
             for local_rank in range(config.nproc_per_node)
         ]
@@ -229,9 +230,17 @@ class WorkerSupervisor:
 
 
 def failed_at(worker: Worker, default: float) -> float:
-    """When a worker failed (monotonic): its last heartbeat when the watchdog killed it,
-    else its first traceback line, else its exit."""
+    """When a worker failed (monotonic): its last progress signal when it was killed for a
+    hang, else its first traceback line, else its exit."""
     if worker.stalled_since is not None:
         return worker.stalled_since
     times = [t for t in (worker.traceback_seen, worker.exited) if t is not None]
     return min(times, default=default)
+
+
+def _stacks_file(attempt_dir: Path, local_rank: int) -> Path:
+    """Where a worker's faulthandler writes its stacks when asked (``monitoring.stacks``):
+    beside its error file, in a directory made now, since the worker only appends."""
+    folder = attempt_dir / str(local_rank)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / "stacks.txt"
