@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from launch import rallypoint
 from rallypoint.agent.monitoring.hangs import (
@@ -19,6 +21,8 @@ from rallypoint.agent.monitoring.hangs import (
     HangWatch,
     _ranks,
 )
+from rallypoint.agent.monitoring.stacks import parse
+from rallypoint.agent.monitoring.steps import Progress
 
 FLOOR, CEILING = 10.0, 100.0
 
@@ -255,3 +259,43 @@ def test_a_bad_hang_flag_is_one_sentence_and_exit_code_2(
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("rallypoint: error: ") and said in line, line
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+FIELDS = ("local_rank", "rank", "sent", "progressed", "armed", "collective", "phase", "thread")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=len(FIELDS)))
+@example({"sent": 10**400, "progressed": 10**400, "collective": {"op": "x", "since": 10**400}})
+def test_any_report_a_worker_sends_is_taken_or_dropped_never_raises(data: dict[str, Any]) -> None:
+    """A report is a datagram's JSON: whatever it holds, the watch stays consistent."""
+    watch = HangWatch(HangSettings(floor=FLOOR, ceiling=CEILING))
+    watch.watch(0.0, 2)
+    watch.report(data, 1.0)
+    watch.report({**data, "local_rank": 0, "rank": 0, "sent": 1.0}, 1.0)
+    for now in (2.0, 50.0, 500.0):
+        verdict = watch.verdict([0, 1], now)
+        if verdict is not None:
+            assert verdict.sentence(now)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=400))
+def test_any_stacks_file_parses_without_raising(text: str) -> None:
+    for frames in parse(text).values():
+        assert all(frame.line >= 0 for frame in frames)
+
+
+def test_a_step_time_no_float_holds_is_dropped() -> None:
+    steps = Progress()
+    steps.watch(0.0)
+    steps.report({"local_rank": 0, "step": 3, "step_at": 10**400})
+    steps.report({"local_rank": 0, "step": 10**400, "step_at": 1.0})
+    assert steps.step() is None

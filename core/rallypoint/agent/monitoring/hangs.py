@@ -37,6 +37,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rallypoint.agent.monitoring.steps import finite
 from rallypoint.worker.progress_reporter import REPORT_INTERVAL
 
 #: A rank's deadline is this many times the longest gap between its progress signals.
@@ -342,9 +343,9 @@ def _parse(data: Mapping[str, Any]) -> dict[str, Any] | None:
     """A report's fields, typed, or None when one is missing or of the wrong type."""
     local_rank, rank = data.get("local_rank"), data.get("rank")
     sent, progressed = data.get("sent"), data.get("progressed")
-    if not (_whole(local_rank) and _whole(rank) and _number(sent)):
+    if not (_whole(local_rank) and _whole(rank) and finite(sent)):
         return None
-    if progressed is not None and not _number(progressed):
+    if progressed is not None and not finite(progressed):
         return None
     thread = data.get("thread")
     return {
@@ -363,7 +364,7 @@ def _collective(value: object) -> Waiting | None:
     if not isinstance(value, Mapping):
         return None
     op, site, since = value.get("op"), value.get("site"), value.get("since")
-    if not isinstance(op, str) or not _number(since):
+    if not isinstance(op, str) or not finite(since):
         return None
     return Waiting(op[:64], site[:200] if isinstance(site, str) else "", float(since))  # type: ignore[arg-type]
 
@@ -372,17 +373,13 @@ def _phase(value: object) -> tuple[str, float] | None:
     if not isinstance(value, Mapping):
         return None
     name, since = value.get("name"), value.get("since")
-    if not isinstance(name, str) or not _number(since):
+    if not isinstance(name, str) or not finite(since):
         return None
     return name[:64], float(since)  # type: ignore[arg-type]
 
 
 def _whole(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _ranks(ranks: Iterable[int]) -> str:

@@ -47,7 +47,7 @@ class Progress:
         """One progress report from the worker channel: ``local_rank``, ``step`` and
         ``step_at`` (when the worker reached it, on the host's monotonic clock)."""
         values: list[Any] = [data.get("local_rank"), data.get("step_at"), data.get("step")]
-        if not all(_number(v) for v in values):
+        if not all(finite(v) for v in values):
             return
         local_rank, sent, step = int(values[0]), float(values[1]), int(values[2])
         with self._lock:
@@ -86,5 +86,12 @@ class Progress:
         return {"step": step} if seconds is None else {"step": step, "step_seconds": seconds}
 
 
-def _number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+def finite(value: object) -> bool:
+    """A finite number that a float holds: what a worker's report may carry where a
+    number goes (JSON's integers have no bound, and its floats may be inf or nan)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
