@@ -23,8 +23,13 @@ stacks = open(sys.argv[1], "a")
 faulthandler.register({signal}, file=stacks, all_threads=True, chain=False)
 main = threading.main_thread().ident
 
+def inside(frame, name):
+    while frame is not None and frame.f_code.co_name != name:
+        frame = frame.f_back
+    return frame is not None
+
 def ready():  # says the main thread's ident once it is inside its call, not before
-    while sys._current_frames()[main].f_code.co_name not in ("wait", "spin"):
+    while not inside(sys._current_frames()[main], "{call}"):
         time.sleep(0.001)
     print(main, flush=True)
 
@@ -64,8 +69,8 @@ def processes() -> list[subprocess.Popen[str]]:
 @pytest.mark.parametrize(
     ("call", "place"),
     [
-        ("read_forever", r"rank\.py:13 in read_forever\(\) \(threading\.py:\d+ in wait\(\)\)"),
-        ("spin", r"rank\.py:1[67] in spin\(\)"),
+        ("read_forever", r"rank\.py:18 in read_forever\(\) \(threading\.py:\d+ in wait\(\)\)"),
+        ("spin", r"rank\.py:2[12] in spin\(\)"),
     ],
 )
 def test_a_rank_that_answers_names_its_line(

@@ -29,10 +29,12 @@ from pathlib import Path
 import rallypoint
 from rallypoint.worker.variables import STACKS_SIGNAL
 
-#: How long the agent waits for the dumps (they take milliseconds when a rank answers).
-ANSWER_WAIT = 2.0
-#: A dump is complete once its file stopped growing for this long.
-_SETTLED = 0.1
+#: How long the agent waits for the dumps: they take milliseconds when a rank answers,
+#: more on a host whose cores are all busy (the wait ends as soon as every dump is in).
+ANSWER_WAIT = 5.0
+#: A dump is complete once its file stopped growing for this long: faulthandler writes it
+#: line by line, and a writer preempted between two lines must not be read half done.
+_SETTLED = 0.3
 
 _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)")
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<function>.*)$')
