@@ -143,10 +143,17 @@ def exit_codes(agents: list[subprocess.Popen[str]], timeout: float) -> list[int]
         kill(*agents)
 
 
-def assert_no_worker_left(tag: str) -> None:
-    """No process runs whose command line contains ``tag`` (unique to the test's workers)."""
-    leftovers = subprocess.run(["pgrep", "-f", tag], capture_output=True, text=True, timeout=10)
-    assert leftovers.stdout.strip() == "", f"orphan workers: {leftovers.stdout.split()}"
+def assert_no_worker_left(tag: str, within: float = 0.0) -> None:
+    """No process runs whose command line contains ``tag`` (unique to the test's workers),
+    or none after ``within`` seconds: workers of an agent just SIGKILLed get their parent's
+    death signal and end some milliseconds later."""
+    deadline = time.monotonic() + within
+    while True:
+        found = subprocess.run(["pgrep", "-f", tag], capture_output=True, text=True, timeout=10)
+        if not found.stdout.strip() or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    assert found.stdout.strip() == "", f"orphan workers: {found.stdout.split()}"
 
 
 def wait_gone(pids: list[int], timeout: float = 30) -> None:

@@ -252,8 +252,8 @@ RESUMED = re.compile(r"resumed source=(\w+) step=(\d+) world=(\d+)")
 
 def test_a_sharded_state_resumes_from_memory_then_reshards_from_durable(tmp_path: Path) -> None:
     """``save_sharded`` of a DTensor: each rank's share goes to its arena. Rank 1 is
-    SIGKILLed right after its save of step 5 returned: both ranks resume from their own
-    shares in memory at step 5 (rank 0 may have saved step 6; rank 1 never did). The end's
+    SIGKILLed right after both ranks' saves of step 5 returned (a save returns once its
+    copy is committed): both resume from their own shares in memory at step 5. The end's
     shares go to --checkpoint-dir, from which 3 ranks reshard: 2 rows each of the 6 that
     2 ranks saved 3 by 3."""
     ckpt, tag = tmp_path / "ckpt", str(tmp_path / "sharded-run")
@@ -294,14 +294,14 @@ class Nodes:
         self.agents: dict[str, subprocess.Popen[str]] = {}
         self.dead: dict[str, subprocess.Popen[str]] = {}
 
-    def start(self, name: str, *script: str) -> None:
+    def start(self, name: str, *script: str, conf: str = CONF) -> None:
         out = self.tmp_path / f"{name}.log"
         with out.open("w") as handle:
             self.agents[name] = subprocess.Popen(
                 [RALLYPOINT, "run", "--nnodes", "1:2", "--nproc-per-node", "1",
                  "--max-restarts", "3", "--rdzv-backend", "redis",
                  "--rdzv-endpoint", f"{self.redis.host}:{self.redis.port}",
-                 "--rdzv-id", self.run_id, "--rdzv-conf", CONF,
+                 "--rdzv-id", self.run_id, "--rdzv-conf", conf,
                  "--checkpoint-memory", MEMORY, "--checkpoint-dir", str(self.ckpt),
                  "--checkpoint-persist-every", "3", "--event-log", str(self.events(name)),
                  TRAIN, "100000", "--step-seconds", "0.1",
@@ -362,8 +362,8 @@ class Nodes:
 def nodes(redis_server_session: RedisServer, tmp_path: Path, request: Any) -> Any:
     made = Nodes(redis_server_session, tmp_path, f"mem-{request.node.name[:40]}-{os.getpid()}")
     yield made
-    made.close()
-    assert_no_worker_left(str(tmp_path / "stop"))
+    made.close()  # SIGKILLs the agents that still run (a test that failed)
+    assert_no_worker_left(str(tmp_path / "stop"), within=5)
 
 
 def test_the_saving_node_sigkilled_resumes_from_the_peer_copy(nodes: Nodes) -> None:
@@ -377,10 +377,12 @@ def test_the_saving_node_sigkilled_resumes_from_the_peer_copy(nodes: Nodes) -> N
     saver = nodes.rank_zero()
     survivor = "b" if saver == "a" else "a"
     memory = memory_dirs(nodes.text(saver))
+    # A node that started a round alone loaded when the other joined: not counted here.
+    before = len(loads(nodes.events(survivor)))
     nodes.kill(saver)
     reached = max(nodes.steps(saver) + nodes.steps(survivor))
     nodes.wait_steps(survivor, world=1)
-    (loaded,) = loads(nodes.events(survivor))
+    (loaded,) = loads(nodes.events(survivor))[before:]
     assert loaded["source"] == "peer" and reached - loaded["step"] <= 1, nodes.all_text()
     deadline = time.monotonic() + 10
     while any(os.path.exists(d) for d in memory) and time.monotonic() < deadline:
@@ -423,8 +425,11 @@ def test_both_nodes_lost_resume_from_the_durable_copy(nodes: Nodes) -> None:
     durable = durable_steps(nodes.ckpt)
     assert durable, nodes.all_text()
     time.sleep(3.5)  # their liveness lapses: the next agents start the run afresh
-    nodes.start("c")
-    nodes.start("d")
+    # Both in the first round, which closes when the second joins: with the usual second
+    # of last call, a busy machine may start one alone, whose next round loads anew.
+    together = CONF.replace("last_call_timeout=1", "last_call_timeout=60")
+    nodes.start("c", conf=together)
+    nodes.start("d", conf=together)
     nodes.wait_steps("c", world=2)
     for name in ("c", "d"):
         (loaded,) = loads(nodes.events(name))

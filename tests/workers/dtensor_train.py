@@ -1,8 +1,8 @@
 """Training with a sharded state saved every step: a weight sharded by rows over every
 rank (``DTensor``, ``Shard(0)``) and a replicated one, both raised by 1 each step, and the
 step count as a plain leaf. Every rank saves its share with ``save_sharded``, and a fresh
-start's rank R of ``--kill-rank`` SIGKILLs itself right after its save of ``--kill-at``
-returned.
+start's rank R of ``--kill-rank`` SIGKILLs itself right after every rank's save of
+``--kill-at`` returned.
 
 Usage: dtensor_train.py STEPS [--kill-rank R --kill-at STEP] [--rows N] [--tag TAG]
 Prints ``resumed source=S step=N world=W`` after a load, checks that every element of the
@@ -63,8 +63,12 @@ for step in range(start, args.steps):
         state["bias"] += 1
     state["meta"]["step"] = step
     checkpointer.save_sharded(state, step)
-    if loaded is None and rank == args.kill_rank and step == args.kill_at:
-        os.kill(os.getpid(), signal.SIGKILL)  # right after the save returned
+    if loaded is None and step == args.kill_at:
+        # Once every rank's save returned: else the agent may stop a slower rank inside
+        # its save when this one dies, and the newest step all ranks hold is the one before.
+        dist.barrier()
+        if rank == args.kill_rank:
+            os.kill(os.getpid(), signal.SIGKILL)  # right after the saves returned
     rows = state["weight"].to_local().shape[0]
     print(f"done step={step} world={world} rows={rows}", flush=True)
     dist.barrier()
