@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from launch import assert_no_worker_left, events, rallypoint, worker
+from launch import (
+    assert_no_worker_left,
+    events,
+    exit_codes,
+    rallypoint,
+    start_agent,
+    worker,
+)
+from servers import free_port
 
 #: The floor in these jobs: above what a starved worker on a busy 2-core machine can lose
 #: (3 s once seen, tests/faults/test_worker_faults.py) while its peer waits in all_reduce.
@@ -154,3 +162,65 @@ def test_minute_long_shapes_with_default_flags(tmp_path: Path) -> None:
     assert TRAINED in output, output
     (found,) = events(hang / "events.log", "hang_detected")
     assert found["sentence"].startswith("rank 1 made no progress for 6"), found
+
+
+ACROSS = [
+    pytest.param(
+        "blocked",
+        r"rank 1 made no progress for \d+ s while rank 0 waited in all_reduce "
+        r"\(hangs\.py:\d+\); rank 1 was at hangs\.py:\d+ in hang\(\)",
+        id="stuck",
+    ),
+    pytest.param(
+        "mismatch",
+        r"every rank waited in different collectives for \d+ s: rank 0 waited in all_reduce "
+        r"\(hangs\.py:\d+\), rank 1 waited in broadcast \(hangs\.py:\d+\)",
+        id="collective",
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "sentence"), ACROSS)
+def test_a_hang_across_nodes_is_found_from_what_the_other_node_shares(
+    tmp_path: Path, case: str, sentence: str
+) -> None:
+    """Two nodes of one rank each: alone, neither node has evidence (a rank with no
+    progress, or a rank waiting alone, both until the ceiling). Each shares its rank's long
+    wait through the rendezvous: the stuck rank's node kills it, naming where the other
+    node's rank waited; ranks in different collectives are each killed by their own node,
+    both seeing the whole job."""
+    run_across(tmp_path, case, sentence)
+
+
+@pytest.mark.soak
+def test_a_rank_stuck_on_another_node_is_found_with_default_flags(tmp_path: Path) -> None:
+    """The stuck case across nodes with every hang and rendezvous setting at its default:
+    the floor of 60 s, a heartbeat every 5 s."""
+    run_across(tmp_path, "blocked", ACROSS[0].values[1], scaled=False)
+
+
+def run_across(tmp_path: Path, case: str, sentence: str, *, scaled: bool = True) -> None:
+    port, run_id = free_port(), f"hang-{tmp_path.name}"
+    conf = "heartbeat_timeout=3,last_call_timeout=1" if scaled else ""  # a beat a second
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    flags = ("--hang-floor", str(FLOOR), "--hang-ceiling", "120") if scaled else ()
+    script = (worker("hangs.py"), case, "--tag", str(tmp_path))
+    agents = [
+        start_agent(
+            "c10d", f"127.0.0.1:{port}", run_id, "2", *flags, "--event-log",
+            str(log.with_suffix(".jsonl")), *script, conf=conf, log=log, nproc=1,
+        )
+        for log in logs
+    ]  # fmt: skip
+    codes = exit_codes(agents, timeout=150 if scaled else 400)
+    output = "\n".join(log.read_text() for log in logs)
+    assert codes == [0, 0], output
+    assert TRAINED in output, output
+    found = [f for log in logs for f in events(log, "hang_detected")]
+    # Only the stuck rank's node finds a stuck rank. Both nodes see the collective: the
+    # first to kill ends the round, which may stop the other's rank before it does.
+    assert 1 <= len(found) <= (1 if case == "blocked" else 2), found
+    for event in found:
+        assert event["kind"] == ("stuck" if case == "blocked" else "collective"), event
+        assert re.match(sentence, event["sentence"]), event
+    assert_no_worker_left(str(tmp_path))

@@ -30,11 +30,15 @@ FLOOR, CEILING = 10.0, 100.0
 class Job:
     """Ranks 0..n-1 of one node, reporting every half second on a timeline of their own."""
 
-    def __init__(self, ranks: int = 4, world_size: int | None = None, **settings: Any) -> None:
+    def __init__(
+        self, ranks: int = 4, world_size: int | None = None, first: int = 0, **settings: Any
+    ) -> None:
         settings = {"floor": FLOOR, "ceiling": CEILING, **settings}
         self.watch = HangWatch(HangSettings(**settings))
         self.watch.watch(0.0, ranks if world_size is None else world_size)
         self.n = ranks
+        self.first = first  # the global rank of local rank 0 (a node of a larger job)
+        self.peers: dict[str, Any] = {}  # what the job's other nodes shared, as read
         self.now = 0.0
         self.state: dict[int, dict[str, Any]] = {
             r: {"signals": 0, "progressed": None, "armed": False, "collective": None, "phase": None}
@@ -67,14 +71,14 @@ class Job:
                     self.watch.report(
                         {
                             "local_rank": r,
-                            "rank": r,
+                            "rank": self.first + r,
                             "sent": self.now,
                             "thread": 1,
                             **self.state[r],
                         },
                         self.now,
                     )
-            verdict = self.watch.verdict(range(self.n), self.now)
+            verdict = self.watch.verdict(range(self.n), self.now, self.peers)
             if verdict is not None:
                 verdicts.append((self.now, verdict))
         return verdicts

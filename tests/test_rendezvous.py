@@ -428,5 +428,5 @@ def test_a_plugin_handler_gets_the_optional_methods_from_the_base_class() -> Non
         def close(self) -> None: ...
 
     handler = checked_handler("mine", Mine())
-    assert handler.gone(["a"]) == [] and handler.paces() == {}
+    assert handler.gone(["a"]) == [] and handler.paces() == {} and handler.waits() == {}
     handler.fail("why")  # nothing to do: the others see this node leave

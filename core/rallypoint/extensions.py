@@ -227,6 +227,19 @@ def check_liveness_ttl(options: Mapping[str, Any], key: str) -> None:
         )
 
 
+class WaitSource(Protocol):
+    """What a node's hang detection shares with the round's other nodes, and whether it
+    needs to hear theirs (``RendezvousRequest.waits``)."""
+
+    def shared(self) -> Mapping[str, Any] | None:
+        """This node's ranks' long waits in collectives, as JSON; None: nothing to say."""
+        ...
+
+    def wanted(self) -> bool:
+        """Whether this node holds a suspect and needs the others' waits now."""
+        ...
+
+
 @dataclass(frozen=True)
 class RendezvousRequest:
     """What a rendezvous backend is given to serve one agent.
@@ -247,6 +260,9 @@ class RendezvousRequest:
             offers puts them in ``Assignment.offers``.
         pace: this node's workers' CPU seconds per step (None until measured), when
             ``--straggler-factor`` is on; a handler that shares paces answers ``paces()``.
+        waits: this node's hang detection: where its ranks wait in collectives, for the
+            round's other nodes, and whether it wants theirs; a handler that shares them
+            answers ``waits()`` (its heartbeat carries them, as it does paces).
         ready: asked before this node enters a job that is already training, with the
             running round's offers (by group rank): what the node still does to be able
             to start workers at once ("importing torch"), or None once it can. A handler
@@ -270,6 +286,7 @@ class RendezvousRequest:
     viewer: bool = False
     offer: Callable[[], Mapping[str, str]] | None = None
     pace: Callable[[], float | None] | None = None
+    waits: WaitSource | None = None
     ready: Callable[[Sequence[Mapping[str, str]]], str | None] | None = None
     token: bytes | None = field(default=None, repr=False)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from rallypoint.errors import RallypointError
 from rallypoint.events import RoundInfo
@@ -152,11 +152,12 @@ class Assignment:
 class RendezvousHandler(Protocol):
     """A rendezvous as the agent drives it: what a backend's ``create_handler`` returns.
 
-    The first five methods are required. ``gone``, ``fail``, ``paces``, ``give_notice``
-    and ``noticed`` have defaults here (a handler that knows nothing of them): inherit
-    from this class to get them, and override those your rendezvous can answer. The agent
-    calls every method directly; what a handler needs from the agent (a node's offer, its
-    pace, whether it is ready) comes in the ``RendezvousRequest``.
+    The first five methods are required. ``gone``, ``fail``, ``paces``, ``waits``,
+    ``give_notice`` and ``noticed`` have defaults here (a handler that knows nothing of
+    them): inherit from this class to get them, and override those your rendezvous can
+    answer. The agent calls every method directly; what a handler needs from the agent (a
+    node's offer, its pace, its waits, whether it is ready) comes in the
+    ``RendezvousRequest``.
 
     Example::
 
@@ -203,6 +204,13 @@ class RendezvousHandler(Protocol):
         """The current round's members' paces (node id -> workers' CPU seconds per step)
         when the request carried a ``pace``; the agent names stragglers from them.
         Default: none."""
+        return {}
+
+    def waits(self) -> dict[str, Mapping[str, Any]]:
+        """What the current round's other members shared of their ranks' long waits in
+        collectives (node id -> ``WaitSource.shared``'s value, unchecked), when the request
+        carried ``waits`` and it wanted them; the agent's hang detection takes them as
+        evidence. Default: none."""
         return {}
 
     def give_notice(self, step: int) -> int:

@@ -54,6 +54,7 @@ from rallypoint.extensions import (
     RestartRequest,
     SinkContext,
     Validate,
+    WaitSource,
     check_liveness_ttl,
     liveness_ttl,
 )
@@ -125,6 +126,7 @@ __all__ = [
     "StoreUnavailable",
     "UsageError",
     "Validate",
+    "WaitSource",
     "WorkerFailure",
     "check_liveness_ttl",
     "goodput_account",

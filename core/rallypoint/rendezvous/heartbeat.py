@@ -10,12 +10,12 @@ the node joins, it prints what the round waits for every ``PROGRESS_INTERVAL``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from rallypoint.rendezvous import calls, records
+from rallypoint.rendezvous.boards import Board
 from rallypoint.rendezvous.calls import Steps
 from rallypoint.rendezvous.node import Membership, NodeState, Watch
-from rallypoint.rendezvous.paces import PaceBoard
 from rallypoint.rendezvous.rounds import advance, newer_generation, store_lost
 from rallypoint.rendezvous.settings import Settings
 
@@ -31,9 +31,9 @@ WAKE_SLICE = 0.5
 class Heartbeat:
     """One node's heartbeat; a thread of its own runs ``run``."""
 
-    def __init__(self, node: NodeState, board: PaceBoard | None = None) -> None:
+    def __init__(self, node: NodeState, boards: Sequence[Board] = ()) -> None:
         self.node = node
-        self.board = board
+        self.boards = boards  # what this node shares with the round's others on each beat
         self._dropped: Watch | None = None  # the watch whose node this heartbeat found gone
         # The record this node holds, and its bytes as the store had them when compared.
         self._record: tuple[records.RoundRecord, bytes] | None = None
@@ -92,8 +92,8 @@ class Heartbeat:
         elif round_ is not None and left_behind and not (yield from self._round_kept(view, round_)):
             raise store_lost(round_)  # the record every member read is gone
         yield from self._check_neighbour(view)
-        if self.board is not None:
-            yield from self.board.share(view)
+        for board in self.boards:
+            yield from board.share(view)
         return kept
 
     def _round_kept(self, view: Membership, round_: int) -> Steps[bool]:

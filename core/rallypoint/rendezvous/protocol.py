@@ -41,7 +41,7 @@ The protocol's parts: ``keys`` (this layout), ``joining`` (from ``next_round`` t
 record), ``leading`` (a round's leader forms it), ``rounds`` (whether the job went on
 without this node), ``exits`` (the exit barrier, a job's failure), ``heartbeat``
 (liveness, the ring, the end of a round), ``generations`` (a run id used again),
-``paces`` (straggler paces shared through the round), all written as steps that yield
+``boards`` (paces and waits shared through the round), all written as steps that yield
 their store calls (``calls``). This module is the handler the agent drives: it performs
 the steps on the store (``calls.drive``), the joining in the agent's thread and the
 heartbeat in a thread of its own, all through its ``world`` (``rendezvous.world``): this
@@ -55,9 +55,10 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from rallypoint.errors import RallypointError
-from rallypoint.extensions import NodeSpec, RankAssigner
+from rallypoint.extensions import NodeSpec, RankAssigner, WaitSource
 from rallypoint.interfaces import (
     Assignment,
     CoordinationStore,
@@ -66,13 +67,13 @@ from rallypoint.interfaces import (
     StoreError,
 )
 from rallypoint.rendezvous import calls, notices, records
+from rallypoint.rendezvous.boards import PaceBoard, WaitBoard
 from rallypoint.rendezvous.calls import Steps
 from rallypoint.rendezvous.generations import job_behind
 from rallypoint.rendezvous.heartbeat import WAKE_SLICE, Heartbeat
 from rallypoint.rendezvous.joining import Joining
 from rallypoint.rendezvous.keys import Keys
 from rallypoint.rendezvous.node import NodeState
-from rallypoint.rendezvous.paces import PaceBoard
 from rallypoint.rendezvous.readiness import Ready
 from rallypoint.rendezvous.retrying import RetryingStore
 from rallypoint.rendezvous.settings import Settings
@@ -93,7 +94,9 @@ class StoreRendezvous(RendezvousHandler):
     ``offer``: what this node offers the others in each round it joins (its memory
     checkpoints); every member reads all of them (``Assignment.offers``). ``pace``: this
     node's workers' CPU seconds per step, shared with the round's other nodes on every
-    heartbeat (``paces``) and put in the record of each round it joins. ``host``: whether
+    heartbeat (``paces``) and put in the record of each round it joins. ``waits``: its
+    hang detection, whose ranks' long waits go to the others, and theirs to it, on the
+    heartbeat (``waits``). ``host``: whether
     this process hosts the store, where it lives in an agent; None where it does not.
     ``world``: its clocks, pauses, threads and ports (the simulation's, in the simulation).
 
@@ -118,6 +121,7 @@ class StoreRendezvous(RendezvousHandler):
         master_port: int | None = None,
         offer: Callable[[], Mapping[str, str]] | None = None,
         pace: Callable[[], float | None] | None = None,
+        waits: WaitSource | None = None,
         ready: Ready | None = None,
         token: bytes | None = None,
         host: bool | None = None,
@@ -155,6 +159,7 @@ class StoreRendezvous(RendezvousHandler):
             ready=ready,
         )
         self.board = PaceBoard(node.node_id, pace) if pace is not None else None
+        self.waits_board = WaitBoard(node.node_id, waits) if waits is not None else None
         self._stop_heartbeat = world.flag()
         self._wake_heartbeat = world.flag()  # set when joining ends, or to stop
         self._heartbeat: Strand | None = None
@@ -235,6 +240,12 @@ class StoreRendezvous(RendezvousHandler):
         they last shared them, this node's included; a member that shared none is absent."""
         return self.board.paces(self.state.view.round) if self.board is not None else {}
 
+    def waits(self) -> dict[str, Mapping[str, Any]]:
+        """What the current round's other members last shared of their ranks' long waits
+        in collectives, as read on this node's last heartbeat that wanted them."""
+        board = self.waits_board
+        return board.waits(self.state.view.round) if board is not None else {}
+
     def give_notice(self, step: int) -> int:
         return self._drive(notices.give(self.state, step))
 
@@ -280,7 +291,8 @@ class StoreRendezvous(RendezvousHandler):
         )
 
     def _beat(self, store: CoordinationStore, stop: Flag) -> None:
-        heartbeat = Heartbeat(self.state, self.board)
+        boards = tuple(b for b in (self.board, self.waits_board) if b is not None)
+        heartbeat = Heartbeat(self.state, boards)
         try:
             calls.drive(heartbeat.run(stop.is_set), store, self._wake_heartbeat, self.world)
         except StoreError as error:

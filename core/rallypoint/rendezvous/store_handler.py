@@ -45,6 +45,7 @@ def protocol_handler(
         master_port=master_port,
         offer=request.offer,
         pace=request.pace,
+        waits=request.waits,
         ready=request.ready,
         token=request.token,
         host=cast(InAgent, store).hosting if in_agent else None,

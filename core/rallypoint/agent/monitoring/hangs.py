@@ -23,6 +23,14 @@ A rank is killed only on evidence (``HangWatch.verdict``):
   blocked where not even its reporting thread runs; and any rank waiting in a collective
   for the ceiling, which this node alone cannot explain (its peers are elsewhere).
 
+Across nodes, the evidence is shared through the rendezvous (``rendezvous.waits``): a node
+whose ranks waited in a collective for at least the floor says so (``shared``), and a node
+that holds a suspect and no evidence of its own reads what the others said (``wanted``),
+so that a rank stuck on one node is found from its peers waiting on another, and a
+collective that every rank of every node waits in is seen whole. What a peer said is
+checked as a worker's report is, and counts only as what it says: ranks that waited at
+least so long, when it was written.
+
 When every rank is busy outside collectives with no progress signal (minutes of numpy
 between steps), that is work, not a hang: ``verdict`` says so once (``Verdict.kill`` is
 empty) and nothing is killed. ``--watchdog-timeout`` is a fixed deadline instead: a rank
@@ -33,7 +41,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +53,11 @@ FACTOR = 5.0
 #: A rank that sent no report for this many report intervals has stopped answering: what
 #: it said last (in a collective, say) is no longer taken as true.
 UNANSWERED_REPORTS = 4
+#: What a node shares of its waits (``HangWatch.shared``), and reads of a peer's, is
+#: bounded: so many places (a collective and the line it was called from) ...
+SHARED_PLACES = 4
+#: ... and so many ranks in all.
+SHARED_RANKS = 1024
 
 STUCK = "stuck"
 COLLECTIVE = "collective"
@@ -140,10 +153,11 @@ class Verdict:
         if self.kind == STUCK:
             waits = _waits(self.waiters)
             return f"{suspects} made no progress for {idle:.0f} s while {waits}"
-        if self.kind == COLLECTIVE:
-            ops = {r.waiting.describe() for r in self.suspects if r.waiting is not None}
+        if self.kind == COLLECTIVE:  # the waiters: the other nodes' ranks, all late too
+            everyone = (*self.suspects, *self.waiters)
+            ops = {r.waiting.describe() for r in everyone if r.waiting is not None}
             how = "the same collective" if len(ops) == 1 else "different collectives"
-            return f"every rank waited in {how} for {idle:.0f} s: {_waits(self.suspects)}"
+            return f"every rank waited in {how} for {idle:.0f} s: {_waits(everyone)}"
         if self.kind == SILENT:
             return f"{suspects} stopped answering or waited alone for {idle:.0f} s"
         if self.kind == WATCHDOG:
@@ -196,19 +210,65 @@ class HangWatch:
         with self._lock:
             return list(self._ranks.values())
 
-    def verdict(self, running: Iterable[int], now: float) -> Verdict | None:
-        """The evidence of a hang among the ``running`` local ranks, if any (see module)."""
+    def verdict(
+        self, running: Iterable[int], now: float, peers: Mapping[str, object] | None = None
+    ) -> Verdict | None:
+        """The evidence of a hang among the ``running`` local ranks, if any (see module);
+        ``peers``: what the round's other nodes shared (node id -> ``shared``'s value, as
+        read from the store: unchecked)."""
         running = set(running)
         with self._lock:
             ranks = [r for r in self._ranks.values() if r.local_rank in running]
             if not ranks:
                 return None
-            found = self._fixed(ranks, now) or self._evidence(ranks, running, now)
+            others = _peer_waits(peers or {}, self.world_size, self.settings.floor, now)
+            found = self._fixed(ranks, now) or self._evidence(ranks, running, now, others)
             if found is not None and found.kind == WORK:
                 if self._work_said:
                     return None
                 self._work_said = True
             return found
+
+    def shared(self, now: float) -> dict[str, Any] | None:
+        """What this node tells the round's other nodes (``rendezvous.waits``): where its
+        ranks that waited in a collective for at least the floor wait (``waits``: op,
+        script line, ranks, seconds waited) and which of them waited past their own
+        deadlines (``late``). None when there is nothing to tell, or nobody to tell it to
+        (the whole job is on this node)."""
+        with self._lock:
+            if self.settings.mode == "off" or len(self._ranks) >= self.world_size:
+                return None
+            waiters = _waiters(self._ranks.values(), self.settings, now)
+            if not waiters:
+                return None
+            places: dict[tuple[str, str], list[RankState]] = {}
+            for rank in waiters:
+                assert rank.waiting is not None
+                places.setdefault((rank.waiting.op, rank.waiting.site), []).append(rank)
+            waits = [
+                {
+                    "op": op,
+                    "site": site,
+                    "ranks": sorted(r.rank for r in group),
+                    "waited": round(min(now - _waited(r) for r in group), 3),
+                }
+                for (op, site), group in list(places.items())[:SHARED_PLACES]
+            ]
+            late = [r.rank for r in waiters if now - _waited(r) >= r.deadline(self.settings)]
+            return {"waits": waits, "late": sorted(late)}
+
+    def wanted(self, now: float) -> bool:
+        """Whether this node needs what the others shared: it holds a rank stuck with no
+        local rank waiting for it, or all its ranks waited in a collective past their
+        deadlines where the job has ranks on other nodes."""
+        with self._lock:
+            ranks, settings = list(self._ranks.values()), self.settings
+            if settings.mode == "off" or not ranks or len(ranks) >= self.world_size:
+                return False
+            waiters = _waiters(ranks, settings, now)
+            if not waiters:
+                return any(_stuck(r, settings, now) for r in ranks)
+            return all(r in waiters and now - _waited(r) >= r.deadline(settings) for r in ranks)
 
     def seconds_left(self) -> float:
         """How soon the monitor should look again: every second while hangs are watched
@@ -241,7 +301,9 @@ class HangWatch:
             deadline=timeout,
         )
 
-    def _evidence(self, ranks: list[RankState], running: set[int], now: float) -> Verdict | None:
+    def _evidence(
+        self, ranks: list[RankState], running: set[int], now: float, others: PeerWaits
+    ) -> Verdict | None:
         settings = self.settings
         if settings.mode == "off":
             return None
@@ -260,11 +322,8 @@ class HangWatch:
                 since={r.local_rank: _last(r) for r in culprits},
                 deadline=settings.ceiling,
             )
-        waiters = [
-            r
-            for r in ranks
-            if r.answering(now) and r.waiting and now - r.waiting.since >= settings.floor
-        ]
+        local = _waiters(ranks, settings, now)
+        waiters = [*local, *others.waiters]
         stuck = [r for r in ranks if _stuck(r, settings, now)]
         if stuck and waiters:
             return Verdict(
@@ -275,17 +334,21 @@ class HangWatch:
                 since={r.local_rank: _last(r) for r in stuck},
                 deadline=max(r.deadline(settings) for r in stuck),
             )
-        whole = self.world_size and len(running) == self.world_size == len(ranks)
-        late = [r for r in waiters if now - _waited(r) >= r.deadline(settings)]
-        if whole and len(late) == len(ranks):
+        late = [r for r in local if now - _waited(r) >= r.deadline(settings)]
+        # The whole job: every local rank reports and waits late, and the other nodes'
+        # late ranks make up the rest (none where the job is all on this node).
+        ranks_late = {r.rank for r in late} | others.late
+        whole = len(running) == len(ranks) == len(late) and len(ranks_late) >= self.world_size > 0
+        if whole:
             return Verdict(
                 COLLECTIVE,
                 kill=tuple(r.local_rank for r in late),
                 suspects=tuple(late),
+                waiters=tuple(r for r in others.waiters if r.rank in others.late),
                 since={r.local_rank: _waited(r) for r in late},
                 deadline=max(r.deadline(settings) for r in late),
             )
-        if stuck and len(stuck) == len(ranks):
+        if stuck and len(stuck) == len(ranks) and self._all_busy(stuck, now):
             return Verdict(
                 WORK,
                 kill=(),
@@ -294,6 +357,104 @@ class HangWatch:
                 deadline=max(r.deadline(settings) for r in stuck),
             )
         return None
+
+    def _all_busy(self, stuck: list[RankState], now: float) -> bool:
+        """Whether ranks all stuck are the whole job busy: where the job has ranks on other
+        nodes, not before half a floor past the deadline, while their waits (shared once
+        they reach the floor, a heartbeat or two late) may still be on their way."""
+        if len(stuck) >= self.world_size:
+            return True
+        grace = self.settings.floor / 2
+        return all(now - _last(r) >= r.deadline(self.settings) + grace for r in stuck)
+
+
+@dataclass(frozen=True)
+class PeerWaits:
+    """What the round's other nodes said of their ranks' waits: those that waited at least
+    the floor (as ranks that never run here: ``local_rank`` -1), and those past their own
+    deadlines."""
+
+    waiters: tuple[RankState, ...] = ()
+    late: frozenset[int] = frozenset()
+
+
+class SharedWaits:
+    """A ``HangWatch`` as the rendezvous's ``WaitSource`` (``RendezvousRequest.waits``),
+    on the agent's clock: the heartbeat thread asks it."""
+
+    def __init__(self, hangs: HangWatch, clock: Callable[[], float]) -> None:
+        self.hangs = hangs
+        self.clock = clock
+
+    def shared(self) -> dict[str, Any] | None:
+        return self.hangs.shared(self.clock())
+
+    def wanted(self) -> bool:
+        return self.hangs.wanted(self.clock())
+
+
+def _peer_waits(
+    peers: Mapping[str, object], world_size: int, floor: float, now: float
+) -> PeerWaits:
+    """The peers' shared waits, checked: a node's whole summary is dropped when any of
+    it is malformed, a rank outside the job or one this node already named counts once."""
+    waiters: dict[int, RankState] = {}
+    late: set[int] = set()
+    for summary in peers.values():
+        parsed = _peer_summary(summary, world_size)
+        if parsed is None:
+            continue
+        waits, said_late = parsed
+        for op, site, ranks, waited in waits:
+            if waited < floor:
+                continue
+            for rank in ranks:
+                if rank not in waiters and len(waiters) < SHARED_RANKS:
+                    waiting = Waiting(op, site, now - waited)
+                    waiters[rank] = RankState(-1, rank, heard=now, waiting=waiting)
+        late |= {r for r in said_late if r in waiters}
+    return PeerWaits(tuple(waiters.values()), frozenset(late))
+
+
+def _peer_summary(
+    value: object, world_size: int
+) -> tuple[list[tuple[str, str, list[int], float]], list[int]] | None:
+    if not isinstance(value, Mapping):
+        return None
+    waits, late = value.get("waits"), value.get("late")
+    if not (_rank_list(late, world_size) and isinstance(waits, list)):
+        return None
+    if not 0 < len(waits) <= SHARED_PLACES:
+        return None
+    parsed = []
+    for wait in waits:
+        if not isinstance(wait, Mapping):
+            return None
+        op, site, ranks, waited = (wait.get(k) for k in ("op", "site", "ranks", "waited"))
+        if not (isinstance(op, str) and isinstance(site, str) and finite(waited)):
+            return None
+        if not _rank_list(ranks, world_size) or not ranks or float(waited) < 0:  # type: ignore[arg-type]
+            return None
+        parsed.append((op[:64], site[:200], list(ranks), float(waited)))  # type: ignore[arg-type]
+    return parsed, list(late)  # type: ignore[arg-type]
+
+
+def _rank_list(value: object, world_size: int) -> bool:
+    """A list of at most SHARED_RANKS ranks of the job."""
+    return (
+        isinstance(value, list)
+        and len(value) <= SHARED_RANKS
+        and all(_whole(r) and r < world_size for r in value)
+    )
+
+
+def _waiters(ranks: Iterable[RankState], settings: HangSettings, now: float) -> list[RankState]:
+    """Those that answer and waited in a collective for at least the floor."""
+    return [
+        r
+        for r in ranks
+        if r.answering(now) and r.waiting is not None and now - r.waiting.since >= settings.floor
+    ]
 
 
 def _stuck(rank: RankState, settings: HangSettings, now: float) -> bool:
@@ -404,4 +565,5 @@ def _waits(ranks: Iterable[RankState]) -> str:
     for rank in ranks:
         if rank.waiting is not None:
             by_place.setdefault(rank.waiting.describe(), []).append(rank.rank)
-    return ", ".join(f"{_ranks(numbers)} waited in {place}" for place, numbers in by_place.items())
+    places = sorted(by_place.items(), key=lambda item: min(item[1]))  # as every node says it
+    return ", ".join(f"{_ranks(numbers)} waited in {place}" for place, numbers in places)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from rallypoint import events
@@ -32,10 +33,13 @@ class HungRanks:
         self.hangs = hangs
         self.bus = bus
 
-    def kill(self, group: WorkerGroup, now: float) -> bool:
-        """Kill the ranks found hung now, once their stacks are taken; whether any were."""
+    def kill(
+        self, group: WorkerGroup, now: float, peers: Mapping[str, object] | None = None
+    ) -> bool:
+        """Kill the ranks found hung now, once their stacks are taken; whether any were.
+        ``peers``: what the round's other nodes shared of their waits (``HangWatch.verdict``)."""
         running = {w.spec.local_rank: w for w in group.running()}
-        verdict = self.hangs.verdict(running, now)
+        verdict = self.hangs.verdict(running, now, peers)
         if verdict is None:
             return False
         stacks = _stacks(running, {r.local_rank: r.thread for r in self.hangs.ranks()})

@@ -34,6 +34,7 @@ from rallypoint.agent.checkpoints.notice_saver import NoticeSaver
 from rallypoint.agent.checkpoints.save_notice import SaveNotice
 from rallypoint.agent.monitoring.eventbus import EventBus
 from rallypoint.agent.monitoring.failures import write_error_record
+from rallypoint.agent.monitoring.hangs import SharedWaits
 from rallypoint.agent.monitoring.sinks import create_sinks
 from rallypoint.agent.monitoring.stragglers import Pace
 from rallypoint.agent.processes.workers import WorkerGroup
@@ -43,7 +44,7 @@ from rallypoint.agent.statemachine.judge import (
     RestartJudge,
     Stop,
 )
-from rallypoint.agent.statemachine.monitor import Outcome, WorkerMonitor
+from rallypoint.agent.statemachine.monitor import Outcome, WorkerMonitor, hang_watch
 from rallypoint.agent.statemachine.rendezvous_handler import create_handler
 from rallypoint.agent.statemachine.restarts import MEMBERSHIP, Failure, Restarts
 from rallypoint.agent.statemachine.signals import SignalWatch
@@ -79,6 +80,9 @@ class Agent:
         self.run = RunInfo(config.rdzv_id, self.node_id, hostname, config.role)
         host = node_address(config.local_addr, config.max_nodes)
         pace = Pace()
+        hangs = hang_watch(config)
+        # The other nodes' waits are evidence of a hang here, and this node's for theirs.
+        waits = SharedWaits(hangs, time.monotonic) if config.max_nodes > 1 else None
         # First, so that a rendezvous that cannot start leaves nothing behind; it takes
         # what this node offers each round (its memory checkpoints), and its pace.
         self.handler: RendezvousHandler = create_handler(
@@ -87,13 +91,14 @@ class Agent:
             offer=self._offer if config.checkpoint_memory else None,
             pace=pace.seconds if config.straggler_factor else None,
             ready=self._getting_ready,
+            waits=waits,
         )
         self.run_dir, self._temporary_run_dir = _run_directory(config)
         sinks, self.metrics_dir = create_sinks(config, self.run, self.run_dir)
         self.bus = EventBus(self.run, pm, sinks, config.event_log)
         self.signals = SignalWatch()
         self.monitor = WorkerMonitor(
-            config, self.node_id, self.handler, self.bus, self.signals, pace
+            config, self.node_id, self.handler, self.bus, self.signals, pace, hangs
         )
         self.memory = _node_memory(config, host, self.bus)
         # Saves on notice (SIGTERM): when there are checkpoints to save. The file goes in

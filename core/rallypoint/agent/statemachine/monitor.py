@@ -36,6 +36,15 @@ class Outcome(enum.Enum):
     SIGNALLED = "signalled"
 
 
+def hang_watch(config: LaunchConfig) -> HangWatch:
+    """This node's hang detection, as the flags set it."""
+    return HangWatch(
+        HangSettings(
+            config.hang_detection, config.hang_floor, config.hang_ceiling, config.watchdog_timeout
+        )
+    )
+
+
 class WorkerMonitor:
     """This node's view of the running attempt: its steps (``progress``) and its ranks'
     hangs (``hangs``), both fed by the workers' progress reports, its pace and the round's
@@ -49,6 +58,7 @@ class WorkerMonitor:
         bus: EventBus,
         signals: SignalWatch,
         pace: Pace,
+        hangs: HangWatch,
     ) -> None:
         self.config = config
         self.node_id = node_id
@@ -56,14 +66,7 @@ class WorkerMonitor:
         self.bus = bus
         self.signals = signals
         self.pace = pace  # shared with the rendezvous, which hands it to the other nodes
-        self.hangs = HangWatch(
-            HangSettings(
-                config.hang_detection,
-                config.hang_floor,
-                config.hang_ceiling,
-                config.watchdog_timeout,
-            )
-        )
+        self.hangs = hangs  # shared with the rendezvous too, which tells the others its waits
         self.hung = HungRanks(self.hangs, bus)
         self.progress = Progress()
         self.stragglers: tuple[str, ...] = ()  # the nodes found slow in this attempt
@@ -94,7 +97,7 @@ class WorkerMonitor:
                 return Outcome.FAILED
             if not group.running():
                 return Outcome.SUCCEEDED
-            if self.hung.kill(group, time.monotonic()):
+            if self.hung.kill(group, time.monotonic(), self.handler.waits()):
                 return Outcome.FAILED
             waiting = self.handler.nodes_waiting()
             if waiting != self._nodes_waiting:

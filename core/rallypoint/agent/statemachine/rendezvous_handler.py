@@ -7,7 +7,7 @@ from functools import partial
 
 from rallypoint.config import DEFAULT_MASTER_PORT, LaunchConfig
 from rallypoint.errors import UsageError
-from rallypoint.extensions import NodeSpec, RendezvousRequest
+from rallypoint.extensions import NodeSpec, RendezvousRequest, WaitSource
 from rallypoint.interfaces import RendezvousHandler
 from rallypoint.registry import replace_registration
 from rallypoint.rendezvous.readiness import Ready
@@ -23,6 +23,7 @@ def request_for(
     offer: Offer | None = None,
     pace: Pace | None = None,
     ready: Ready | None = None,
+    waits: WaitSource | None = None,
 ) -> RendezvousRequest:
     """What a backend is told about this node's launch (and what its agent provides)."""
     assigner = config.assigner.item
@@ -44,6 +45,7 @@ def request_for(
         master_port=config.master_port,
         offer=offer,
         pace=pace,
+        waits=waits,
         ready=ready,
         token=config.job_token,
     )
@@ -55,6 +57,7 @@ def create_handler(
     offer: Offer | None = None,
     pace: Pace | None = None,
     ready: Ready | None = None,
+    waits: WaitSource | None = None,
 ) -> RendezvousHandler:
     """The handler that runs ``config``'s rendezvous for this node.
 
@@ -63,7 +66,7 @@ def create_handler(
     process's memory. Otherwise the backend gives a whole handler, or a store for the
     protocol.
     """
-    request = request_for(config, node, offer, pace, ready)
+    request = request_for(config, node, offer, pace, ready, waits)
     backend = config.rendezvous.item
     if config.max_nodes == 1:
         from rallypoint.rendezvous.memory_store import MemoryStore
@@ -80,9 +83,7 @@ def create_handler(
 def checked_handler(backend: str, handler: object) -> RendezvousHandler:
     """A backend's own handler, once checked to have every method the agent calls."""
     missing = [
-        name
-        for name in (*_REQUIRED, "gone", "fail", "paces", "give_notice", "noticed")
-        if not callable(getattr(handler, name, None))
+        name for name in (*_REQUIRED, *_DEFAULTED) if not callable(getattr(handler, name, None))
     ]
     if missing:
         raise UsageError(
@@ -94,3 +95,5 @@ def checked_handler(backend: str, handler: object) -> RendezvousHandler:
 
 
 _REQUIRED = ("next_round", "nodes_waiting", "request_new_round", "exit_barrier", "close")
+#: Those ``rallypoint.sdk.RendezvousHandler`` has defaults of: a handler that inherits has them.
+_DEFAULTED = ("gone", "fail", "paces", "waits", "give_notice", "noticed")
