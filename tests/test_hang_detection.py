@@ -224,3 +224,28 @@ def run_across(tmp_path: Path, case: str, sentence: str, *, scaled: bool = True)
         assert event["kind"] == ("stuck" if case == "blocked" else "collective"), event
         assert re.match(sentence, event["sentence"]), event
     assert_no_worker_left(str(tmp_path))
+
+
+@pytest.mark.parametrize("framework", ["lightning", "accelerate"])
+def test_a_hang_in_a_framework_s_loop_is_found_through_what_it_calls(
+    tmp_path: Path, framework: str
+) -> None:
+    """Lightning's Trainer and Accelerate's prepared model, the script unchanged: their
+    optimizer steps arm and time the ranks, DDP's backward is where rank 0 waits, and the
+    sentence names the script's line (past the framework's frames)."""
+    log = tmp_path / "events.log"
+    result = rallypoint(
+        "run", "--nproc-per-node", "2", "--max-restarts", "1", "--hang-floor", str(FLOOR),
+        "--hang-ceiling", "60", "--event-log", str(log.with_suffix(".jsonl")),
+        worker("frameworks.py"), framework, "blocked", "--tag", str(tmp_path), timeout=240,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "rank 1 trained 60 steps in attempt 1" in output, output
+    (found,) = events(log, "hang_detected")
+    assert re.match(
+        r"rank 1 made no progress for \d+ s while rank 0 waited in backward "
+        r"\(frameworks\.py:\d+\); rank 1 was at frameworks\.py:\d+ in maybe_hang\(\)",
+        found["sentence"],
+    ), found
+    assert_no_worker_left(str(tmp_path))

@@ -614,6 +614,18 @@ def test_a_site_is_the_first_frame_outside_torch_and_rallypoint() -> None:
     assert progress.site(sys._getframe()) == f"test_progress_sources.py:{line + 2}"
 
 
+def test_a_site_is_past_an_installed_framework_s_frames_to_the_script() -> None:
+    """A framework (Lightning's loop, Accelerate's ``backward``) is installed: the site is
+    the script's line that called into it."""
+    framework = os.path.join(progress._INSTALLED[0], "a_framework_of_the_test.py")
+    namespace: dict[str, object] = {"progress": progress, "sys": sys}
+    source = "def fit(callback):\n    return callback(sys._getframe())\n"
+    exec(compile(source, framework, "exec"), namespace)  # code "installed" in site-packages
+    fit = namespace["fit"]
+    line = sys._getframe().f_lineno + 1
+    assert fit(progress.site) == f"test_progress_sources.py:{line}"  # type: ignore[operator]
+
+
 def test_a_collective_a_gpu_has_yet_to_finish_is_reported_until_it_is_done(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -18,7 +18,9 @@ import collections
 import contextlib
 import math
 import os
+import site as site_module
 import sys
+import sysconfig
 import threading
 import time
 from collections.abc import Iterator
@@ -35,6 +37,14 @@ CHECKPOINT_LOAD = "checkpoint_load"
 STEP_GAP = 0.01
 #: rallypoint's folder, as its frames name their files (a collective's site is outside it).
 _PACKAGE = os.path.dirname(os.path.dirname(__file__)) + os.sep
+#: Where installed packages live (the interpreter's site-packages, Debian's dist-packages).
+_INSTALLED = tuple(
+    os.path.join(path, "")
+    for path in {
+        *(sysconfig.get_paths()[name] for name in ("purelib", "platlib")),
+        *site_module.getsitepackages(),
+    }
+)
 
 
 class ProgressState:
@@ -173,15 +183,20 @@ def leave_phase(entered: bool) -> None:
 
 
 def site(frame: FrameType | None) -> str | None:
-    """``train.py:88``: the first frame outwards from ``frame`` that is neither torch's nor
-    rallypoint's, the script's line that waits; None when there is none."""
+    """``train.py:88``: the script's line that waits. The first frame outwards from
+    ``frame`` in no installed package (so past Lightning's and Accelerate's frames too, to
+    the script's ``trainer.fit`` or ``accelerator.backward``), else the first that is
+    neither torch's nor rallypoint's; None when there is none."""
     skipped = _skipped()
+    found = None
     while frame is not None:
         filename = frame.f_code.co_filename
         if not filename.startswith(skipped):
-            return f"{os.path.basename(filename)}:{frame.f_lineno}"
+            if not filename.startswith(_INSTALLED):
+                return f"{os.path.basename(filename)}:{frame.f_lineno}"
+            found = found or f"{os.path.basename(filename)}:{frame.f_lineno}"
         frame = frame.f_back
-    return None
+    return found
 
 
 def _skipped() -> tuple[str, ...]:
