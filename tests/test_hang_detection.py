@@ -143,6 +143,7 @@ def test_long_steps_are_learned_not_killed(tmp_path: Path) -> None:
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(1800)  # three jobs of minutes each, one after another
 def test_minute_long_shapes_with_default_flags(tmp_path: Path) -> None:
     """The shapes at their real length, with every flag at its default: a 3-minute
     evaluation, a 2-minute save and 2 minutes of numpy are never killed; a rank blocked
