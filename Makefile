@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 # headless browser that renders `rallypoint report --html` (tests/test_report.py).
 SERVERS := etcd:etcd-server redis-server:redis-server prometheus:prometheus prometheus-pushgateway:prometheus-pushgateway openssl:openssl slurmctld:slurm-wlm chromium:chromium
 
-.PHONY: install servers lint docs test suite lock test-latest test-lowest soak reliability demo bench clean
+.PHONY: install servers lint docs test suite lock test-latest test-lowest soak reliability demo bench bench-peers clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -143,6 +143,11 @@ bench: install
 	$(PY) benchmarks/bench_goodput.py
 	$(PY) benchmarks/bench_scale.py
 	$(PY) benchmarks/bench_scrape.py
+
+# Recovery beside the launchers users would pick instead (docs/benchmarks-peers.md): each
+# peer is installed from PyPI into .bench-peers/ on first use; make test installs none.
+bench-peers: install
+	$(PY) benchmarks/bench_peers.py
 
 clean:
 	rm -rf $(VENV) $(LATEST) $(LOWEST) site .pytest_cache .mypy_cache .ruff_cache $(DEMO_DIR)

@@ -52,7 +52,14 @@ PREEMPTED = Scenario(
     "SIGTERM",
     "preempted node",
 )
-SCENARIOS = {"agent": KILLED, "node": KILLED, "preempt": PREEMPTED}
+WORKER_KILLED = Scenario(
+    "recovery-worker",
+    "bench_worker_kill_recovery.png",
+    "a worker is killed",
+    "SIGKILL",
+    "killed worker",
+)
+SCENARIOS = {"agent": KILLED, "node": KILLED, "preempt": PREEMPTED, "worker": WORKER_KILLED}
 OPTIONS = {
     "repeat": (3, "runs per launcher"),
     "cap": (120.0, "seconds after the kill before a run counts as not recovered"),
@@ -60,7 +67,8 @@ OPTIONS = {
     "orphan_grace": (10.0, "seconds for orphans to go away before they are counted again"),
     "kill": (
         tuple(SCENARIOS),
-        "SIGKILL the second agent (agent), it and its workers (node), or SIGTERM it (preempt)",
+        "SIGKILL the second agent (agent), it and its workers (node), or SIGTERM it "
+        "(preempt); or SIGKILL one of its workers (worker: the job restarts at world=4)",
     ),
     "torchrun_shared_store": (False, "torchrun without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"),
 }
@@ -73,7 +81,7 @@ RDZV_CONF = {
 }
 #: Without it torch 2.13 never scales the job from one node to two (see the page).
 TORCHRUN_WORKAROUND = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-STEP = re.compile(r"step rank=(\d+) world=(\d+) sum=\d+ at=([\d.]+)")
+STEP = re.compile(r"step rank=(\d+) world=(\d+) sum=\d+ at=([\d.]+) pid=(\d+)")
 STORE_WAIT = 60.0  # seconds for the first agent to open the store's port
 CLEANUP_WAIT = 30.0  # seconds for killed processes to disappear
 
@@ -105,8 +113,19 @@ class Sample:
 # --- one run ------------------------------------------------------------------------------
 
 
-def agent_command(launcher: str, port: int, run_id: str, seconds: int, tag: str) -> list[str]:
+#: What a launcher needs besides its command (``bench_peers.py`` registers them): a process
+#: started first that serves the run on its port (DLRover's job master), and the
+#: environment of the agent of node ``i`` (a node rank), as a prefix of its command.
+HELPERS: dict[str, Callable[[int, str, Path], subprocess.Popen[bytes]]] = {}
+NODE_ENV: dict[str, Callable[[int, int], dict[str, str]]] = {}
+
+
+def agent_command(
+    launcher: str, port: int, run_id: str, seconds: int, tag: str, node: int = 0
+) -> list[str]:
+    env = NODE_ENV[launcher](port, node) if launcher in NODE_ENV else {}
     return [
+        *(["env", *(f"{k}={v}" for k, v in env.items())] if env else []),
         *common.LAUNCHERS[launcher],
         "--nnodes", "1:2", "--nproc-per-node", "2", "--max-restarts", "3",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{HOST}:{port}", "--rdzv-id", run_id,
@@ -137,15 +156,19 @@ class Log:
         self.offset = 0
         self.partial = b""
 
-    def steps(self) -> list[tuple[str, float]]:
-        """(world size, time) of each step printed since the last call."""
+    def steps(self) -> list[tuple[str, float, int]]:
+        """(world size, time, worker's pid) of each step printed since the last call."""
         with contextlib.suppress(FileNotFoundError), self.path.open("rb") as handle:
             handle.seek(self.offset)
             data = handle.read()
             self.offset += len(data)
             *lines, self.partial = (self.partial + data).split(b"\n")
             found = (STEP.search(line.decode(errors="replace")) for line in lines)
-            return [(match.group(2), float(match.group(3))) for match in found if match]
+            return [
+                (match.group(2), float(match.group(3)), int(match.group(4)))
+                for match in found
+                if match
+            ]
         return []
 
     def tail(self, lines: int = 40) -> str:
@@ -200,8 +223,8 @@ def measure_once(launcher: str, args: argparse.Namespace, env: dict[str, str]) -
     port, unique = common.free_port(), uuid.uuid4().hex[:10]
     run_id, tag = f"bench-recovery-{unique}", f"rpbench-{unique}"  # the tag: on every command
     commands = [
-        agent_command(launcher, port, run_id, worker_seconds(args), f"{tag}-{role}")
-        for role in ("survivor", "victim")
+        agent_command(launcher, port, run_id, worker_seconds(args), f"{tag}-{role}", node)
+        for node, role in enumerate(("survivor", "victim"))
     ]
     workdir = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
     log = Log(workdir / "survivor.log")
@@ -209,6 +232,8 @@ def measure_once(launcher: str, args: argparse.Namespace, env: dict[str, str]) -
     sample = Sample(launcher, commands, env)
     try:
         began = time.time()
+        if launcher in HELPERS:  # killed with the agents at the end
+            agents.append(HELPERS[launcher](port, run_id, workdir))
         agents.append(survivor := start(commands[0], env, log.path))
         # The first agent hosts the c10d store; losing the host would end the job.
         opened = wait_until(lambda: port_open(port) or survivor.poll() is not None, STORE_WAIT)
@@ -218,9 +243,13 @@ def measure_once(launcher: str, args: argparse.Namespace, env: dict[str, str]) -
             return sample
         agents.append(victim := start(commands[1], env, workdir / "victim.log"))
         world4: list[float] = []
+        before: set[int] = set()  # the survivor's workers' pids
 
         def at_world4() -> bool:
-            world4.extend(at for world, at in log.steps() if world == "4")
+            for world, at, pid in log.steps():
+                before.add(pid)
+                if world == "4":
+                    world4.append(at)
             return bool(world4) or survivor.poll() is not None or victim.poll() is not None
 
         if not wait_until(at_world4, args.start_cap, 0.1) or not world4:
@@ -228,6 +257,9 @@ def measure_once(launcher: str, args: argparse.Namespace, env: dict[str, str]) -
             sample.survivor_log_tail = log.tail()
             return sample
         sample.seconds_to_world4 = world4[0] - began
+        if args.kill == "worker":
+            kill_a_worker(sample, log, Log(workdir / "victim.log"), before, survivor, args)
+            return sample
         # "node": the agent and its workers at once, as when a machine is lost; "agent":
         # the agent process only, its workers then on their own; "preempt": SIGTERM to
         # the agent alone, which is to stop its workers and leave.
@@ -245,7 +277,7 @@ def measure_once(launcher: str, args: argparse.Namespace, env: dict[str, str]) -
         after: dict[str, list[float]] = {"2": [], "4": []}
 
         def at_world2() -> bool:
-            for world, at in log.steps():
+            for world, at, _pid in log.steps():
                 if at >= killed_at and world in after:
                     after[world].append(at)
             return bool(after["2"]) or survivor.poll() is not None
@@ -274,6 +306,46 @@ def measure_once(launcher: str, args: argparse.Namespace, env: dict[str, str]) -
     finally:
         sample.leftovers_after_cleanup = kill_everything(agents, tag, run_id)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def kill_a_worker(
+    sample: Sample,
+    log: Log,
+    victim_log: Log,
+    before: set[int],
+    survivor: subprocess.Popen[bytes],
+    args: argparse.Namespace,
+) -> None:
+    """SIGKILL one worker of the second node (the first pid its log shows) and time the
+    survivor's first step from a worker it did not have before: the job's restart."""
+    seen = victim_log.steps()
+    deadline = time.monotonic() + STORE_WAIT
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.1)
+        seen = victim_log.steps()
+    if not seen:
+        sample.error = "the second node's log showed no worker's step"
+        return
+    # A second of steps at world 4 first: every survivor's worker has printed by then
+    # (each prints every 0.2 s), so that none is taken for a restarted one.
+    time.sleep(1.0)
+    before.update(pid for _world, _at, pid in log.steps())
+    sample.load_at_kill = os.getloadavg()[0]
+    killed_at = time.time()
+    common.kill([seen[0][2]])
+    restarted: list[float] = []
+
+    def again() -> bool:
+        restarted.extend(at for world, at, pid in log.steps() if pid not in before)
+        return bool(restarted) or survivor.poll() is not None
+
+    wait_until(again, args.cap, 0.1)
+    sample.survivor_returncode = survivor.poll()
+    if restarted and restarted[0] - killed_at <= args.cap:
+        sample.status, sample.recovery_seconds = "recovered", restarted[0] - killed_at
+    else:
+        sample.status = "did not recover"
+        sample.survivor_log_tail = log.tail()
 
 
 def show(sample: Sample) -> str:
