@@ -6,7 +6,8 @@ Usage: hangs.py CASE [--steps N] [--at STEP] [--seconds S] [--step-seconds S] [-
 
 ``--ddp``: the model in DistributedDataParallel, whose all-reduces run inside backward().
 
-Hangs, on rank 1 at step ``--at`` of the first attempt only (the restart trains to the end):
+Hangs, on rank 1 at step ``--at`` of the job's first attempt only (the restart trains to
+the end):
   blocked      threading.Event().wait()
   spin         an endless Python loop
   fifo         opens a FIFO nobody writes
@@ -96,7 +97,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    hangs = attempt == 0 and rank == 1
+    hangs = rank == 1 and first_time()
     device = torch.device(args.device)
     if args.device == "cuda":  # every rank on the machine's GPU (gloo moves CUDA tensors too)
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
@@ -131,6 +132,19 @@ def main() -> None:
                 break
     print(f"rank {rank} trained {step} steps in attempt {attempt}", flush=True)
     dist.destroy_process_group()
+
+
+def first_time() -> bool:
+    """Whether this is the job's first attempt: the first to claim the mark in the test's
+    directory (each node counts its own restarts: one whose workers were stopped for
+    another node's failure keeps its count, as torchrun's agents do)."""
+    if not args.tag or not os.path.isdir(args.tag):
+        return int(os.environ["TORCHELASTIC_RESTART_COUNT"]) == 0
+    try:
+        os.close(os.open(os.path.join(args.tag, "hung-once"), os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return False
+    return True
 
 
 def healthy_pause(step: int, rank: int) -> None:
