@@ -101,10 +101,24 @@ def start_agent(
 
 
 def events(log: Path, name: str) -> list[dict[str, Any]]:
-    """The events called ``name`` in the event log next to ``log`` (its ``.jsonl``)."""
+    """The events called ``name`` in the event log next to ``log`` (its ``.jsonl``), every
+    record of it first checked against the events' declarations (``declared``)."""
     path = log.with_suffix(".jsonl")
     records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    for record in records:
+        declared(record)
     return [record for record in records if record["event"] == name]
+
+
+def declared(record: dict[str, Any]) -> None:
+    """A record of an event log holds only fields its event declares
+    (``rallypoint.events.EVENTS``, from which the docs' tables are written)."""
+    from rallypoint.events import COMMON_FIELDS, EVENTS
+
+    specs = {spec.name: spec for spec in EVENTS}
+    assert record["event"] in specs, f"an event no declaration names: {record}"
+    extra = set(record) - set(COMMON_FIELDS) - set(specs[record["event"]].fields)
+    assert not extra, f"{record['event']} has fields it does not declare: {sorted(extra)}"
 
 
 def wait_for_text(log: Path, text: str, timeout: float = 120) -> None:

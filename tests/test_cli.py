@@ -75,6 +75,11 @@ def test_version() -> None:
         (["--metrics", "log,statsd"], ["--metrics 'statsd'", "jsonl, log, prometheus"]),
         (["--metrics", "jsonl", "--metrics-conf", "port=1"], ["--metrics-conf 'port'", "path"]),
         (["--checkpoint-dir", "nosuch://bucket/run"], ["no checkpoint backend serves nosuch://"]),
+        (  # a URL with one slash, or none, after its scheme: never a relative path
+            ["--checkpoint-dir", "acme:/data/x"],
+            ["no checkpoint backend serves acme://", "a relative path that has a colon: ./acme"],
+        ),
+        (["--checkpoint-dir", "acme:x"], ["no checkpoint backend serves acme://"]),
         (["--redirects", "7"], ["--redirects '7'"]),
         (["--local-ranks-filter", "0,x"], ["--local-ranks-filter"]),
         (["--signals-to-handle", "SIGTERM,SIGNOPE"], ["'SIGNOPE' is not a signal name"]),
@@ -168,6 +173,69 @@ def test_a_broken_installed_plugin_is_listed_and_the_cli_still_works(
     assert "this plugin is broken" in exploding["error"]
     assert_one_line_error(rallypoint("run", "--nnodes", "3:2", script, env=env), "MIN")
     assert rallypoint("--version", env=env).returncode == 0
+
+
+RACKS = """
+    from rallypoint.sdk import ConfigOption, RankAssigner, hookimpl
+
+    def by_label(nodes, options):
+        order = sorted(range(len(nodes)), key=lambda i: nodes[i].labels.get(options["key"], ""))
+        return [order.index(i) for i in range(len(nodes))]
+
+    @hookimpl
+    def register_rank_assigners():
+        key = ConfigOption("key", str, "rack", "the label that orders the nodes")
+        return [RankAssigner("racks", "by a label", by_label, options=(key,))]
+"""
+
+
+def test_a_rank_assigner_s_rank_conf_keys_are_listed(install_plugin: InstallPlugin) -> None:
+    """Issue 49: the keys of --rank-conf, as those of the other kinds' flags."""
+    env = {"PYTHONPATH": str(install_plugin("racks", RACKS))}
+    listing = rallypoint("plugins", env=env)
+    assert "--rank-conf keys of rank assigner racks: key" in listing.stdout, listing.stdout
+    options = json.loads(rallypoint("plugins", "--json", env=env).stdout)["options"]
+    assert [o["name"] for o in options["rank assigner"]["racks"]] == ["key"]
+
+
+def test_plugins_check_fails_where_a_plugin_is_broken(install_plugin: InstallPlugin) -> None:
+    """For CI: ``rallypoint plugins --check`` lists, then exits 1 naming the broken ones."""
+    assert rallypoint("plugins", "--check").returncode == 0
+    env = {"PYTHONPATH": str(install_plugin("exploding", "raise RuntimeError('broken')"))}
+    result = rallypoint("plugins", "--check", env=env)
+    assert result.returncode == 1 and "exploding  [broken]" in result.stdout
+    assert result.stderr.strip().splitlines() == [
+        "error: broken plugin: exploding (see the error line under each)"
+    ]
+
+
+ACME = """
+    from rallypoint.sdk import CheckpointBackend, hookimpl
+
+    def check(url):
+        raise ValueError(f"acme saw {url}")
+
+    @hookimpl
+    def register_checkpoint_backends():
+        return [CheckpointBackend("acme", "a test's", schemes=("acme",), open=None, check=check)]
+"""
+
+
+@pytest.mark.parametrize("url", ["acme:/data/x", "acme:x", "ACME://data/x"])
+def test_a_url_of_an_installed_scheme_reaches_its_backend_with_any_slashes(
+    install_plugin: InstallPlugin, script: str, url: str
+) -> None:
+    """Issue 49: ``acme:/data/x`` went to the file store as ``./acme:/data/x``, rc 0,
+    the plugin's ``check`` never called."""
+    env = {"PYTHONPATH": str(install_plugin("acme", ACME))}
+    result = rallypoint("run", "--checkpoint-dir", url, script, env=env)
+    assert_one_line_error(result, f"--checkpoint-dir {url!r}: acme saw {url}")
+
+
+def test_a_relative_path_with_a_colon_is_written_as_one(tmp_path: Path, script: str) -> None:
+    """``./acme:x`` is a plain path, served by the built-in file store."""
+    result = rallypoint("run", "--checkpoint-dir", "./acme:x", script, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
 
 
 def test_disable_switch_from_the_command_line(script: str) -> None:

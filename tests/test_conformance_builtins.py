@@ -7,14 +7,14 @@ Each registration is taken from a plugin manager, as a third party's test would.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 
 from rallypoint.checkpoint.storage import FileStorage
-from rallypoint.extensions import MetricsSink, NodeSpec, RankAssigner, RestartPolicy
+from rallypoint.extensions import ConfigOption, MetricsSink, NodeSpec, RankAssigner, RestartPolicy
 from rallypoint.plugins import build_plugin_manager
 from rallypoint.registry import METRICS_SINKS, RANK_ASSIGNERS, RESTART_POLICIES, Kind
 from rallypoint.testing.checkpoint_storage_conformance import (
@@ -102,6 +102,28 @@ class TestTopology(RankAssignerConformance):
             for i in range(12)
         ]
         return [racks, racks[::-1]]
+
+
+def rack_first(nodes: Sequence[NodeSpec], options: Mapping[str, Any]) -> list[int]:
+    """An assigner written as writing.md says one with options is: nodes sorted by the
+    label ``options["key"]`` names, then by node id."""
+    key = options["key"]
+    order = sorted(
+        range(len(nodes)), key=lambda i: (nodes[i].labels.get(key, ""), nodes[i].node_id)
+    )
+    ranks = [0] * len(nodes)
+    for rank, index in enumerate(order):
+        ranks[index] = rank
+    return ranks
+
+
+class TestAnAssignerWithOptions(RankAssignerConformance):
+    """Issue 49: the suite calls ``assign(nodes, options=...)`` as the agent does."""
+
+    @pytest.fixture
+    def assigner(self) -> RankAssigner:
+        key = ConfigOption("key", str, "rack", "the label that orders the nodes")
+        return RankAssigner("rack-first", "by a label", rack_first, options=(key,))
 
 
 # --- checkpoint storage -------------------------------------------------------------------

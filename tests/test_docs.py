@@ -125,6 +125,19 @@ def test_the_plugin_api_page_is_what_its_generator_writes(monkeypatch: pytest.Mo
     assert page == gen_api_reference.render()
 
 
+def test_the_event_tables_are_what_their_generator_writes() -> None:
+    """The user guide's and checkpointing.md's event tables come from
+    ``rallypoint.events.EVENTS`` (else: run docs/gen_event_tables.py)."""
+    result = subprocess.run(
+        [sys.executable, str(DOCS / "gen_event_tables.py"), "--check"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_user_guide_flags_exist() -> None:
     accepted = all_command_flags()
     mentioned = set(_FLAG.findall(USER_GUIDE.read_text(encoding="utf-8")))

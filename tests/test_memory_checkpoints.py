@@ -21,6 +21,7 @@ from launch import (
     RALLYPOINT,
     assert_no_worker_left,
     clean_environment,
+    declared,
     kill,
     rallypoint,
     wait_for_text,
@@ -43,7 +44,10 @@ def loads(log: Path) -> list[dict[str, Any]]:
 def read_events(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    for record in records:
+        declared(record)
+    return records
 
 
 def memory_dirs(text: str) -> set[str]:

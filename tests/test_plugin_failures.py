@@ -22,6 +22,7 @@ from launch import (
     RALLYPOINT,
     InstallPlugin,
     clean_environment,
+    declared,
     exit_codes,
     kill,
     rallypoint,
@@ -40,7 +41,9 @@ FLAKY = """
 import os
 
 from rallypoint import hookimpl
-from rallypoint.extensions import MetricsSink, RankAssigner, RestartDecision, RestartPolicy
+from rallypoint.extensions import (
+    CheckpointBackend, MetricsSink, RankAssigner, RestartDecision, RestartPolicy,
+)
 
 
 def _note(line):
@@ -100,6 +103,15 @@ def register_rank_assigners():
 @hookimpl
 def register_metrics_sinks():
     return [MetricsSink(n, n, _create(n)) for n in ("bad-create", "bad-emit", "bad-close")]
+
+
+def _open(url):
+    raise ConnectionRefusedError("bucket unreachable")
+
+
+@hookimpl
+def register_checkpoint_backends():
+    return [CheckpointBackend("flaky", "raises", schemes=("flaky",), open=_open)]
 """
 
 WHO = "of plugin 'flaky' (distribution rallypoint-test-flaky 1.0.0)"
@@ -123,6 +135,8 @@ def script(tmp_path: Path, source: str) -> str:
 
 def events(path: Path, name: str) -> list[dict[str, Any]]:
     records = [json.loads(line) for line in path.read_text().splitlines()]
+    for record in records:
+        declared(record)
     return [record for record in records if record["event"] == name]
 
 
@@ -255,6 +269,46 @@ def test_an_assigner_that_raises_ends_the_job_on_every_node(
         assert (stopping["exit_code"], stopping["reason"]) == (1, sentence)
 
 
+def test_a_checkpoint_backend_whose_open_raises_is_one_sentence(
+    flaky: dict[str, str], tmp_path: Path
+) -> None:
+    """Issue 49: its own error from ``open`` in a worker becomes a CheckpointError whose
+    message names the plugin, which the script catches as any checkpoint error (and which
+    is the failure report's error line when it does not)."""
+    train = script(
+        tmp_path,
+        "from rallypoint import checkpoint\n"
+        "try:\n"
+        "    checkpoint.default()\n"
+        "except checkpoint.CheckpointError as error:\n"
+        "    print(f'caught: {error}')\n",
+    )
+    result = rallypoint(
+        "run", "--checkpoint-dir", "flaky://bucket/run", train, env=flaky, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (
+        f"[default0]:caught: the 'flaky' checkpoint backend {WHO} raised in open: "
+        "ConnectionRefusedError: bucket unreachable; no checkpoint can be saved to or loaded "
+        "from 'flaky://bucket/run'\n"
+    ) in result.stdout, result.stdout
+
+
+def test_an_assigner_is_asked_on_one_node_too(flaky: dict[str, str], tmp_path: Path) -> None:
+    """Issue 49: a job of one node runs the protocol in the agent's memory, and its leader
+    asks the assigner for the one node's rank, as any round's leader does: an assigner
+    that raises shows on the first one-node run, in the same sentence."""
+    train = script(tmp_path, "print('never started')\n")
+    result = rallypoint("run", "--rank-assigner", "flaky", train, env=flaky, timeout=60)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.strip() == (
+        f"rallypoint: error: rendezvous round 0: the 'flaky' rank assigner {WHO} raised in "
+        "assign: ValueError: no topology for these nodes; the round cannot form, and the "
+        "job stops on every node"
+    )
+    assert "never started" not in result.stdout
+
+
 def test_a_policy_that_raises_on_one_node_stops_the_others(
     flaky: dict[str, str], tmp_path: Path
 ) -> None:
@@ -306,6 +360,38 @@ def test_a_misspelt_hook_is_broken_with_the_closest_names(
     install_plugin("typo", f"from rallypoint import hookimpl\n@hookimpl\ndef {hook}():\n    pass\n")
     info = build_plugin_manager().infos["typo"]
     assert (info.status, info.error) == (BROKEN, error)
+
+
+WRONG_ARGUMENT = """
+from rallypoint import hookimpl
+
+@hookimpl
+def register_rank_assigners(config):
+    return []
+
+@hookimpl
+def register_restart_polcies():
+    return []
+
+@hookimpl
+def on_agent_started(run, verbose=False):
+    pass
+"""
+
+
+def test_an_argument_no_hook_passes_is_one_sentence_beside_a_misspelt_hook(
+    install_plugin: InstallPlugin,
+) -> None:
+    """Issue 49: pluggy's raw PluginValidationError for the first problem, the misspelt
+    hook hidden behind it, was all a plugin author saw; now one sentence names both."""
+    install_plugin("wrong", WRONG_ARGUMENT)
+    info = build_plugin_manager().infos["wrong"]
+    assert info.status == BROKEN
+    assert info.error == (
+        "register_rank_assigners(config) asks for 'config', which rallypoint does not pass "
+        "(it passes no argument); unknown hook 'register_restart_polcies': did you mean "
+        "'register_restart_policies'?"
+    )
 
 
 def test_an_optional_hook_this_rallypoint_lacks_is_allowed(install_plugin: InstallPlugin) -> None:

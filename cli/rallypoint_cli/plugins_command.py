@@ -17,6 +17,7 @@ from rallypoint.registry import CHECKPOINT_BACKENDS, KINDS, Registry
 OPTION_FLAGS = {
     "rendezvous backend": "--rdzv-conf",
     "restart policy": "--restart-conf",
+    "rank assigner": "--rank-conf",
     "metrics sink": "--metrics-conf",
 }
 
@@ -57,10 +58,23 @@ def register(app: typer.Typer, pm: PluginManager) -> None:
     def plugins(
         ctx: typer.Context,
         as_json: bool = typer.Option(False, "--json", help="Print JSON for tools."),
+        check: bool = typer.Option(
+            False,
+            "--check",
+            help="Exit 1 when an installed plugin is broken (for CI), after the listing.",
+        ),
     ) -> None:
         """List installed plugins: name, version, status, hooks and registered names."""
         if ctx.invoked_subcommand is None:
             _list(pm, as_json)
+            broken = sorted(name for name, info in pm.infos.items() if info.status == BROKEN)
+            if check and broken:
+                typer.echo(
+                    f"error: broken plugin{'s' if len(broken) > 1 else ''}: "
+                    f"{', '.join(broken)} (see the error line under each)",
+                    err=True,
+                )
+                raise typer.Exit(1)
 
     @group.command("new")
     def new(

@@ -55,6 +55,183 @@ CHECKPOINT_PERSISTED = "checkpoint_persisted"
 #: address, or the checkpoint directory's URL), ``reason``.
 PEER_REFUSED = "peer_refused"
 
+#: The fields every record of the event log carries besides an event's own.
+COMMON_FIELDS = ("event", "wall_time", "monotonic", "run_id", "node", "host", "role")
+_ROUND = {
+    "round": "",
+    "group_rank": "",
+    "group_world_size": "",
+    "world_size": "",
+    "master_addr": "",
+    "master_port": "",
+    "members": "node ids by group rank",
+}
+_WORKER = {"rank": "", "local_rank": ""}  # what the worker channel adds to a worker's event
+
+
+@dataclass(frozen=True)
+class EventSpec:
+    """One event as the agent sends it: when, its own fields (name -> what it holds, in
+    markdown; empty where the name says it), and the lifecycle hook it goes to, if any.
+    The user guide's and checkpointing.md's tables are generated from ``EVENTS``
+    (docs/gen_event_tables.py), and the tests check every event log they read against it.
+    """
+
+    name: str
+    when: str
+    fields: Mapping[str, str]
+    hook: str | None = None
+
+
+EVENTS: tuple[EventSpec, ...] = (
+    EventSpec(
+        AGENT_STARTED,
+        "the agent started, before the first rendezvous",
+        {"nproc_per_node": "", "min_nodes": "", "max_nodes": ""},
+        "on_agent_started",
+    ),
+    EventSpec(
+        RENDEZVOUS_STARTED,
+        "a rendezvous round begins",
+        {
+            "restart_count": "the restarts counted so far: after a failure on one node, the "
+            "restart it is for; after a failure of a job of several nodes, the round decides "
+            "whether the failure counts, and the `workers_restarted` after it says",
+        },
+    ),
+    EventSpec(
+        RENDEZVOUS_COMPLETED,
+        "the round completed",
+        {**_ROUND, "duration_seconds": ""},
+        "on_rendezvous_completed",
+    ),
+    EventSpec(
+        SCALE_CHANGED,
+        "the round has a different number of nodes than the one before (never on one node)",
+        {"old_nodes": "", "new_nodes": ""},
+        "on_scale_changed",
+    ),
+    EventSpec(
+        WORKERS_STARTED,
+        "this node's workers were started",
+        {**_ROUND, "pids": "by local rank"},
+        "on_workers_started",
+    ),
+    EventSpec(
+        WORKER_FAILED,
+        "one per failed worker, root cause first, once the other workers are stopped",
+        {
+            "local_rank": "",
+            "rank": "",
+            "pid": "",
+            "exit_code": "",
+            "signal": "",
+            "message": "",
+            "timestamp": "when it failed",
+            "detected": "when the agent noticed",
+            "stalled_seconds": "set when it was killed for a hang",
+            "hang": "the hang's sentence, set when it was killed for one",
+            "out_of_memory": "whether the kernel's OOM killer ended it",
+        },
+        "on_worker_failed",
+    ),
+    EventSpec(
+        HANG_DETECTED,
+        "the agent found a local rank hung and is about to kill it",
+        {
+            "kind": "`stuck`, `collective`, `silent`, `watchdog`",
+            "ranks": "those killed",
+            "sentence": "",
+            "stacks": "the attempt's directory, with each rank's `stacks.txt`",
+        },
+    ),
+    EventSpec(
+        WORKERS_RESTARTED,
+        "the workers are about to be restarted: for a membership change, before the next "
+        "round; after a failure, once the next round completed (after the restart "
+        "policy's delay), since that round tells whether the failure was a lost node's "
+        "(`membership`)",
+        {
+            "restart_count": "restarts after failures so far, counting this one",
+            "cause": "`failure` or `membership`",
+            "reason": "after a failure, the restart policy's name and reason, as on the "
+            "console; else that the job's nodes changed",
+        },
+        "on_workers_restarted",
+    ),
+    EventSpec(
+        NODES_WAITING,
+        "the number of nodes waiting to join changed (never on one node)",
+        {"nodes_waiting": ""},
+    ),
+    EventSpec(
+        CHECKPOINT_SAVED,
+        "a worker saved a checkpoint",
+        {
+            "step": "",
+            "seconds": "until the checkpoint was complete",
+            "blocked_seconds": "how long `save` held up training",
+            "bytes": "",
+            "asynchronous": "",
+            "tier": "`memory` or `durable`",
+            "format": "on memory saves: `state`, a whole state, or `sharded`, a rank's share",
+            **_WORKER,
+        },
+    ),
+    EventSpec(
+        CHECKPOINT_LOADED,
+        "a worker loaded one",
+        {
+            "step": "",
+            "seconds": "",
+            "bytes": "",
+            "skipped": "damaged or unfinished checkpoints passed over",
+            "source": "`memory`, `peer` or `durable`",
+            **_WORKER,
+        },
+    ),
+    EventSpec(
+        CHECKPOINT_PERSISTED,
+        "the agent copied a memory checkpoint to `--checkpoint-dir`",
+        {"step": "", "seconds": "", "bytes": "", "url": ""},
+    ),
+    EventSpec(
+        PEER_REFUSED,
+        "the agent refused a checkpoint transfer: one that did not prove the job's token, "
+        "or one that was unsafe (a file name that is a path, a message over its bound, "
+        "files that fail their MAC); or a worker skipped a checkpoint whose manifest no "
+        "rallypoint writes, such as one that names a path",
+        {
+            "peer": "the peer's address; from a worker, the checkpoint directory's URL",
+            "reason": "what was refused and why",
+            **_WORKER,
+        },
+    ),
+    EventSpec(
+        PROGRESS,
+        "the step this node's workers reached moved (at most every 2 s), and when they stop",
+        {
+            "step": "",
+            "step_seconds": "the median time of a step here, over the last 20 steps of each rank",
+        },
+    ),
+    EventSpec(
+        STRAGGLER,
+        "a node's workers step markedly slower than the round's others",
+        {
+            "pace": "its workers' CPU seconds per step",
+            "median": "the other nodes' median pace",
+            "ratio": "",
+        },
+    ),
+    EventSpec(
+        AGENT_STOPPING,
+        "the agent is about to exit",
+        {"exit_code": "", "reason": "one line"},
+        "on_agent_stopping",
+    ),
+)
+
 
 @dataclass(frozen=True)
 class RunInfo:

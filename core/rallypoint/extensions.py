@@ -131,8 +131,9 @@ class ConfigOption:
 
 
 #: A registration's check across its parsed options (every declared key present), run when
-#: the flags are parsed: raise ``ValueError("key=value ...: why, and what to do")`` and the
-#: user sees it after the flag's name, as one sentence, before anything starts.
+#: the flags are parsed: raise ``ValueError("key=value ...: why, and what to do")``, a
+#: sentence that starts with the key, and the user sees it after the flag's name
+#: (``--restart-conf max_delay=0.5 is below delay=1``), before anything starts.
 Validate = Callable[[Mapping[str, Any]], None]
 
 

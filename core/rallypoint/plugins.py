@@ -20,6 +20,7 @@ import difflib
 import functools
 import importlib
 import importlib.metadata
+import inspect
 import logging
 import os
 import sys
@@ -102,39 +103,50 @@ class PluginManager(pluggy.PluginManager):
         """Register ``plugin``; on any validation error keep it out and mark it broken."""
         self.infos[info.name] = info
         try:
-            self.register(plugin, name=info.name)
-            unknown = self._unknown_hook(plugin)
+            wrong = self._wrong_hooks(plugin)
+            if wrong is None:
+                self.register(plugin, name=info.name)
         except Exception as error:  # a plugin may fail in any way; it must not stop us
-            unknown = one_line(error)
-        if unknown is not None:
-            self.mark_broken(info.name, unknown)
+            wrong = one_line(error)
+        if wrong is not None:
+            self.mark_broken(info.name, wrong)
             return False
         callers = self.get_hookcallers(plugin) or []
         info.hooks = tuple(sorted(caller.name for caller in callers))
         return True
 
-    def _unknown_hook(self, plugin: object) -> str | None:
-        """Why ``plugin`` is refused if it implements a hook rallypoint does not have (what
-        pluggy's ``check_pending`` catches, with the closest hook names), else None.
+    def _wrong_hooks(self, plugin: object) -> str | None:
+        """Why ``plugin`` is refused, before pluggy sees it, else None: every hook it
+        implements that rallypoint does not have (with the closest names), and every
+        argument it asks for that its hook does not pass. One sentence for all of them,
+        rather than pluggy's ``PluginValidationError`` for the first.
 
         An implementation marked ``optionalhook`` may name a hook this rallypoint lacks.
         """
-        hooks = sorted(
-            name
+        specs = {
+            name: caller.spec.argnames
             for name, caller in vars(self.hook).items()
-            if not name.startswith("_") and caller.has_spec()
-        )
-        for caller in self.get_hookcallers(plugin) or []:
-            mine = [impl for impl in caller.get_hookimpls() if impl.plugin is plugin]
-            if caller.has_spec() or all(impl.optionalhook for impl in mine):
+            if not name.startswith("_") and caller.has_spec() and caller.spec is not None
+        }
+        problems = []
+        for attribute in sorted(dir(plugin)):
+            options = self.parse_hookimpl_opts(plugin, attribute)
+            if options is None:
                 continue
-            # Hook names share their "register_" or "on_": at the default cutoff (0.6)
-            # unrelated hooks come close.
-            close = difflib.get_close_matches(caller.name, hooks, cutoff=0.7)
-            if not close:
-                return f"unknown hook {caller.name!r}: rallypoint has no hook like it"
-            return f"unknown hook {caller.name!r}: did you mean {' or '.join(map(repr, close))}?"
-        return None
+            hook = options.get("specname") or attribute
+            if hook not in specs:
+                if not options.get("optionalhook"):
+                    problems.append(_unknown_hook(hook, sorted(specs)))
+                continue
+            asked = _required_arguments(getattr(plugin, attribute))
+            extra = [name for name in asked if name not in specs[hook]]
+            if extra:
+                given = ", ".join(specs[hook]) or "no argument"
+                problems.append(
+                    f"{hook}({', '.join(asked)}) asks for {', '.join(map(repr, extra))}, "
+                    f"which rallypoint does not pass (it passes {given})"
+                )
+        return "; ".join(problems) or None
 
     def mark_broken(self, name: str, error: BaseException | str) -> None:
         """Unregister plugin ``name``, forget what it registered and record why."""
@@ -281,3 +293,22 @@ def get_plugin_manager() -> PluginManager:
     disabling a plugin).
     """
     return build_plugin_manager()
+
+
+def _unknown_hook(hook: str, hooks: list[str]) -> str:
+    # Hook names share their "register_" or "on_": at the default cutoff (0.6) unrelated
+    # hooks come close.
+    close = difflib.get_close_matches(hook, hooks, cutoff=0.7)
+    if not close:
+        return f"unknown hook {hook!r}: rallypoint has no hook like it"
+    return f"unknown hook {hook!r}: did you mean {' or '.join(map(repr, close))}?"
+
+
+def _required_arguments(function: Callable[..., Any]) -> list[str]:
+    """The arguments pluggy passes to an implementation: those without a default."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in parameters if p.kind in kinds and p.default is p.empty]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
@@ -269,8 +270,9 @@ class Registry:
         return backend
 
     def checkpoint_backend_for(self, url: str) -> CheckpointBackend:
-        """The checkpoint backend serving ``url``'s scheme (a plain path has scheme ``""``)."""
-        scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+        """The checkpoint backend serving ``url``'s scheme (a plain path has scheme ``""``,
+        see ``url_scheme``)."""
+        scheme = url_scheme(url)
         key = f"scheme {scheme}://"
         providers = self._conflicts[CHECKPOINT_BACKENDS.hook].get(key)
         if providers:
@@ -280,10 +282,26 @@ class Registry:
             if scheme in registered.item.schemes:
                 return registered.item
         served = sorted(f"{s}://" if s else "a plain path" for r in stores for s in r.item.schemes)
+        plain = "" if "://" in url else f" (a relative path that has a colon: ./{url})"
         raise UsageError(
             f"--checkpoint-dir {url!r}: no checkpoint backend serves {scheme}:// URLs. "
-            f"Choose one of: {', '.join(served) or '(none installed)'}.{broken_hint(self.broken)}"
+            f"Choose one of: {', '.join(served) or '(none installed)'}{plain}."
+            f"{broken_hint(self.broken)}"
         )
+
+
+#: A URL's scheme, as RFC 3986 spells one: a letter, then letters, digits, ``+``, ``-``, ``.``.
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
+
+
+def url_scheme(url: str) -> str:
+    """The scheme of a ``--checkpoint-dir`` value, lower-cased; ``""`` for a plain path.
+
+    ``s3://bucket/x`` and ``acme:/data/x`` (a URL with one slash, or none, after its
+    scheme) both have one: a value that starts as a scheme does is a URL, never a relative
+    path that happens to hold a colon (``./acme:x`` is one)."""
+    found = _SCHEME.match(url)
+    return found.group(1).lower() if found else ""
 
 
 #: The attribute of a registration that holds its ``Registered``.

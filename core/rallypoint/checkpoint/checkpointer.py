@@ -27,6 +27,7 @@ from rallypoint.checkpoint.storage import FileStorage
 from rallypoint.checkpoint.tier import PEER, Tier
 from rallypoint.checkpoint.writers import ArenaSlot, DcpWriter, DurableWriter
 from rallypoint.interfaces import CheckpointError, CheckpointStorage
+from rallypoint.redact import redact_endpoint
 from rallypoint.worker import notice_watch as notice
 from rallypoint.worker import progress, variables
 
@@ -48,13 +49,27 @@ PEER_FOLDER = "peer"
 
 
 def open_storage(url: str) -> CheckpointStorage:
-    """The storage of the checkpoint backend that serves ``url``'s scheme."""
+    """The storage of the checkpoint backend that serves ``url``'s scheme.
+
+    Raises:
+        CheckpointError: the backend could not open it. A plugin's ``open`` that raised
+            anything else (its bug, or its client library's error) is one sentence naming
+            the plugin, as a plugin failing in the agent is, not its own traceback.
+    """
     from rallypoint.plugins import get_plugin_manager
+    from rallypoint.registry import CHECKPOINT_BACKENDS, describe, plugin_failure
 
     store = get_plugin_manager().registry.checkpoint_backend_for(url)
     if store.open is None:
         raise CheckpointError(f"checkpoint backend {store.name!r} cannot open {url!r}")
-    return store.open(url)
+    try:
+        return store.open(url)
+    except CheckpointError:
+        raise
+    except Exception as error:
+        who = describe(CHECKPOINT_BACKENDS, store)
+        outcome = f"no checkpoint can be saved to or loaded from {redact_endpoint(url)!r}"
+        raise CheckpointError(plugin_failure(who, "open", error, outcome)) from None
 
 
 class Checkpointer:

@@ -14,9 +14,11 @@ previous round or none) and checks what the rendezvous relies on:
 * where the assigner promises stability (the ``keeps_previous_ranks`` fixture returns
   ``True``), a node keeps its previous rank whenever that rank is free and below ``N``.
 
-Optional fixtures: ``keeps_previous_ranks`` (default ``False``) and ``extra_rounds``: more
+Optional fixtures: ``keeps_previous_ranks`` (default ``False``), ``extra_rounds``: more
 rounds to check, as lists of ``NodeSpec`` (say, nodes with the labels or hosts your
-assigner looks at).
+assigner looks at), and ``options``: the ``--rank-conf`` values it is called with, as the
+agent calls an assigner that declares ``options`` (``assign(nodes, options=...)``, every
+declared key present; default: each key's default).
 
     import pytest
     from rallypoint_myranks import ASSIGNER
@@ -36,9 +38,10 @@ import random
 import subprocess
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, replace
 from types import MappingProxyType
+from typing import Any
 
 import pytest
 
@@ -96,14 +99,33 @@ _CHILD = textwrap.dedent(
     assign = importlib.import_module(module_name)
     for part in qualname.split("."):
         assign = getattr(assign, part)
-    rounds = [[NodeSpec(**node) for node in nodes] for nodes in json.load(sys.stdin)]
-    json.dump([list(assign(nodes)) for nodes in rounds], sys.stdout)
+    given = json.load(sys.stdin)
+    rounds = [[NodeSpec(**node) for node in nodes] for nodes in given["rounds"]]
+    options = given["options"]
+    call = assign if options is None else (lambda nodes: assign(nodes, options=options))
+    json.dump([list(call(nodes)) for nodes in rounds], sys.stdout)
     """
 )
 
 
+def _assign(
+    assigner: RankAssigner, nodes: Sequence[NodeSpec], options: Mapping[str, Any] | None
+) -> list[int]:
+    """The ranks, asked as the agent asks: with ``options`` where the assigner declares any."""
+    if options is None:
+        return list(assigner.assign(_read_only(nodes)))
+    return list(assigner.assign(_read_only(nodes), options=MappingProxyType(dict(options))))
+
+
 class RankAssignerConformance:
     """Subclass with an ``assigner`` fixture returning the ``RankAssigner`` to check."""
+
+    @pytest.fixture
+    def options(self, assigner: RankAssigner) -> Mapping[str, Any] | None:
+        """The ``--rank-conf`` values; None for an assigner that declares no options."""
+        if not assigner.options:
+            return None
+        return {option.name: option.default for option in assigner.options}
 
     @pytest.fixture
     def keeps_previous_ranks(self) -> bool:
@@ -127,24 +149,28 @@ class RankAssignerConformance:
 
     # --- the ranks ----------------------------------------------------------------------
 
-    def test_every_rank_exactly_once(self, assigner: RankAssigner, rounds: list[Round]) -> None:
+    def test_every_rank_exactly_once(
+        self, assigner: RankAssigner, rounds: list[Round], options: Mapping[str, Any] | None
+    ) -> None:
         for nodes in rounds:
-            ranks = list(assigner.assign(_read_only(nodes)))
+            ranks = _assign(assigner, nodes, options)
             assert len(ranks) == len(nodes), f"{len(nodes)} nodes, {len(ranks)} ranks: {ranks}"
             assert all(type(rank) is int for rank in ranks), f"ranks must be ints: {ranks}"
             assert sorted(ranks) == list(range(len(nodes))), (
                 f"ranks of {len(nodes)} nodes must be 0..{len(nodes) - 1}, each once: {ranks}"
             )
 
-    def test_same_nodes_same_ranks(self, assigner: RankAssigner, rounds: list[Round]) -> None:
-        first = [list(assigner.assign(_read_only(nodes))) for nodes in rounds]
+    def test_same_nodes_same_ranks(
+        self, assigner: RankAssigner, rounds: list[Round], options: Mapping[str, Any] | None
+    ) -> None:
+        first = [_assign(assigner, nodes, options) for nodes in rounds]
         # Copies, asked in the other order: nothing may depend on identity or call history.
         copies = [[replace(node) for node in nodes] for nodes in reversed(rounds)]
-        again = [list(assigner.assign(_read_only(nodes))) for nodes in copies][::-1]
+        again = [_assign(assigner, nodes, options) for nodes in copies][::-1]
         assert first == again
 
     def test_same_ranks_in_another_process(
-        self, assigner: RankAssigner, rounds: list[Round]
+        self, assigner: RankAssigner, rounds: list[Round], options: Mapping[str, Any] | None
     ) -> None:
         """Every agent may compute the ranks: another interpreter, with another hash seed
         (so another order of sets and dicts of strings), must get the same answer."""
@@ -153,8 +179,9 @@ class RankAssignerConformance:
         qualname = getattr(function, "__qualname__", "")
         if not module or "<" in qualname:
             pytest.skip("assign is not a module-level function: cannot import it elsewhere")
-        here = [list(assigner.assign(_read_only(nodes))) for nodes in rounds]
-        payload = json.dumps([[asdict(node) for node in nodes] for nodes in rounds])
+        here = [_assign(assigner, nodes, options) for nodes in rounds]
+        rounds_given = [[asdict(node) for node in nodes] for nodes in rounds]
+        payload = json.dumps({"rounds": rounds_given, "options": options})
         environment = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         for seed in ("1", "2"):
             child = subprocess.run(
@@ -169,12 +196,16 @@ class RankAssignerConformance:
             assert json.loads(child.stdout) == here, f"other ranks with PYTHONHASHSEED={seed}"
 
     def test_previous_ranks_are_kept(
-        self, assigner: RankAssigner, rounds: list[Round], keeps_previous_ranks: bool
+        self,
+        assigner: RankAssigner,
+        rounds: list[Round],
+        keeps_previous_ranks: bool,
+        options: Mapping[str, Any] | None,
     ) -> None:
         if not keeps_previous_ranks:
             pytest.skip("this assigner does not promise to keep previous ranks")
         for nodes in rounds:
-            ranks = list(assigner.assign(_read_only(nodes)))
+            ranks = _assign(assigner, nodes, options)
             claims: dict[int, int] = {}
             for node in nodes:
                 if node.previous_rank is not None:
@@ -185,20 +216,23 @@ class RankAssignerConformance:
                     assert rank == previous, f"{node.node_id} had rank {previous}, got {rank}"
 
     def test_survivors_keep_their_ranks(
-        self, assigner: RankAssigner, keeps_previous_ranks: bool
+        self,
+        assigner: RankAssigner,
+        keeps_previous_ranks: bool,
+        options: Mapping[str, Any] | None,
     ) -> None:
         """A round, then the next round without one node and with a newcomer."""
         if not keeps_previous_ranks:
             pytest.skip("this assigner does not promise to keep previous ranks")
         nodes = [NodeSpec(f"n{i}", host=f"host{(i * 7) % 5}") for i in range(6)]
-        ranks = list(assigner.assign(_read_only(nodes)))
+        ranks = _assign(assigner, nodes, options)
         survivors = [
             replace(node, previous_rank=rank)
             for node, rank in zip(nodes, ranks, strict=True)
             if rank != 2
         ]
         next_round = [*survivors, NodeSpec("newcomer", host="host0")]
-        new_ranks = list(assigner.assign(_read_only(next_round)))
+        new_ranks = _assign(assigner, next_round, options)
         for node, rank in zip(next_round, new_ranks, strict=True):
             if node.previous_rank is not None:
                 assert rank == node.previous_rank, f"{node.node_id}: {node.previous_rank} -> {rank}"
