@@ -41,12 +41,13 @@ OPTIONS = {
     "only_peer": (("", *(p.name for p in peers.PEERS)), "of the peers, run this one only"),
     "only_failure": (("", *FAILURES), "of the failures, this one only (for trying things out)"),
 }
-#: How each peer is told that a node is dead 3 s after its last heartbeat, as
-#: bench_recovery tells rallypoint and torchrun: both take torchrun's c10d keys (DLRover's
-#: rendezvous runs in its job master, which passes them on to torch's agent).
+#: Each peer's rendezvous settings, as bench_recovery sets rallypoint's and torchrun's: a
+#: node taken for dead 3 s after its last heartbeat, a last call of 1 s. ft_launcher takes
+#: torchrun's c10d keys; DLRover's rendezvous runs in its job master, whose last call is
+#: its own key (``lastcall_timeout``, 60 s by default) and which finds a lost node itself.
 PEER_RDZV_CONF = {
     "ft_launcher": bench_recovery.RDZV_CONF["torchrun"],
-    "dlrover-run": bench_recovery.RDZV_CONF["torchrun"],
+    "dlrover-run": "lastcall_timeout=1",
 }
 PEER_COLORS = {"ft_launcher": "#76b900", "dlrover-run": "#e8710a"}
 
@@ -127,7 +128,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "samples": {name: [asdict(s) for s in samples[name]] for name in names},
         }
     results["commands"] = {
-        name: " ".join(bench_recovery.agent_command(name, 0, "RUN_ID", 0, "TAG"))
+        name: " ".join(
+            bench_recovery.agent_command(
+                name, 0, "RUN_ID", bench_recovery.worker_seconds(args), "TAG"
+            )
+        )
         .replace(str(common.ROOT) + "/", "")
         .replace(f"{common.HOST}:0", f"{common.HOST}:PORT")
         for name in names
@@ -182,7 +187,7 @@ def render(results: dict[str, Any]) -> dict[str, list[str]]:
             mine = summary[name]
             median = mine["median_recovery_seconds"]
             ratio = (
-                f"{ours / median:.2f}x" if ours is not None and median and name != "rallypoint"
+                f"{ours / median:.2g}x" if ours is not None and median and name != "rallypoint"
                 else "-"
             )  # fmt: skip
             rows.append((
@@ -194,7 +199,8 @@ def render(results: dict[str, Any]) -> dict[str, list[str]]:
                 f"{mine['runs_with_orphans']} of {mine['runs']}",
             ))  # fmt: skip
         blocks[kill] = [
-            f"{failure['title'].capitalize()}: {results['repeat']} runs per launcher.",
+            f"{failure['title'][0].upper()}{failure['title'][1:]}: {results['repeat']} runs "
+            "per launcher.",
             "",
             *common.table(
                 "launcher | median seconds to a step in the new world | recovered | "
