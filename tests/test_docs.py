@@ -101,15 +101,20 @@ def test_plugin_hooks_are_documented(function: Callable[..., Any]) -> None:
     assert signature_line(function) in text, f"signature of {function.__name__} differs"
 
 
-def test_hook_reference_is_up_to_date() -> None:
+def generator_check(script: str) -> None:
+    """``docs/SCRIPT --check``: what it generates is what the pages hold."""
     result = subprocess.run(
-        [sys.executable, str(DOCS / "gen_hook_reference.py"), "--check"],
+        [sys.executable, str(DOCS / script), "--check"],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_hook_reference_is_up_to_date() -> None:
+    generator_check("gen_hook_reference.py")
 
 
 def test_the_plugin_api_page_is_what_its_generator_writes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -128,14 +133,7 @@ def test_the_plugin_api_page_is_what_its_generator_writes(monkeypatch: pytest.Mo
 def test_the_event_tables_are_what_their_generator_writes() -> None:
     """The user guide's and checkpointing.md's event tables come from
     ``rallypoint.events.EVENTS`` (else: run docs/gen_event_tables.py)."""
-    result = subprocess.run(
-        [sys.executable, str(DOCS / "gen_event_tables.py"), "--check"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    generator_check("gen_event_tables.py")
 
 
 def test_user_guide_flags_exist() -> None:
