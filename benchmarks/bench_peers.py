@@ -190,6 +190,8 @@ def render(results: dict[str, Any]) -> dict[str, list[str]]:
                 f"{ours / median:.2g}x" if ours is not None and median and name != "rallypoint"
                 else "-"
             )  # fmt: skip
+            samples = failure["samples"][name]
+            lingered = sum("still running" in (s["error"] or "") for s in samples)
             rows.append((
                 name,
                 common.number(median, " s") if median is not None else "did not recover",
@@ -197,6 +199,7 @@ def render(results: dict[str, Any]) -> dict[str, list[str]]:
                 ratio,
                 common.number(first[name], " s"),
                 f"{mine['runs_with_orphans']} of {mine['runs']}",
+                *([f"{lingered} of {len(samples)}"] if kill == "preempt" else []),
             ))  # fmt: skip
         blocks[kill] = [
             f"{failure['title'][0].upper()}{failure['title'][1:]}: {results['repeat']} runs "
@@ -205,7 +208,13 @@ def render(results: dict[str, Any]) -> dict[str, list[str]]:
             *common.table(
                 "launcher | median seconds to a step in the new world | recovered | "
                 "rallypoint / launcher | median seconds from start to the first step at "
-                "world 4 | runs leaving a worker of the lost node",
+                "world 4 | runs leaving a worker of the lost node"
+                + (
+                    f" | runs whose agent still ran {bench_recovery.LEAVE_WAIT:.0f} s after "
+                    "SIGTERM (then SIGKILLed)"
+                    if kill == "preempt"
+                    else ""
+                ),
                 rows,
             ),
         ]

@@ -288,8 +288,19 @@ def measure_once(launcher: str, args: argparse.Namespace, env: dict[str, str]) -
         sample.world4_until = max(after["4"]) - killed_at if after["4"] else None
 
         def orphans() -> int:
+            """The killed node's workers still running: processes with its tag, but for the
+            agents and the processes that run the launcher itself (ft_launcher's rank
+            monitors, forked from its agent, carry its command line)."""
             found = common.matching(f"{tag}-victim")
-            return len([pid for pid in found if pid not in (survivor.pid, victim.pid)])
+            launcher_marker = common.LAUNCHERS[launcher][0].encode()
+            return len(
+                [
+                    pid
+                    for pid in found
+                    if pid not in (survivor.pid, victim.pid)
+                    and launcher_marker not in _cmdline(pid)
+                ]
+            )
 
         sample.orphans = orphans()
         if sample.orphans:
@@ -306,6 +317,13 @@ def measure_once(launcher: str, args: argparse.Namespace, env: dict[str, str]) -
     finally:
         sample.leftovers_after_cleanup = kill_everything(agents, tag, run_id)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def kill_a_worker(
