@@ -1,18 +1,23 @@
-"""The goodput benchmark's training script: the same file under torchrun and rallypoint.
+"""The goodput benchmark's training script: the same file under every launcher.
 
 A small MLP trained with Adam on random data, gloo all-reducing its gradients every step,
-its whole state (weights and Adam's moments, about 8 MB) saved with ``rallypoint.checkpoint``
-every ``--save-every`` steps (1: every step) and whenever ``checkpoint.should_save`` says so:
-to node memory under ``rallypoint run --checkpoint-memory``, where the agent also asks for a
-save on notice when a node is told to stop (SIGTERM), and to the directory
-``RALLYPOINT_CHECKPOINT_URL`` names under torchrun, where ``should_save`` is just
-``step % every == 0``. A step is the forward and backward pass on one CPU thread, a sleep
+its whole state (weights and Adam's moments, about 8 MB) saved every ``--save-every`` steps
+(1: every step) the way ``--checkpoint`` names (``train_checkpoint.py``): by default with
+``rallypoint.checkpoint``, to node memory under ``rallypoint run --checkpoint-memory``,
+where the agent also asks for a save on notice when a node is told to stop (SIGTERM), and
+to the directory ``RALLYPOINT_CHECKPOINT_URL`` names under torchrun, where ``should_save``
+is just ``step % every == 0``. A step is the forward and backward pass on one CPU thread, a sleep
 until ``--step-seconds`` from its start (the accelerator's share: the CPU waits while it
 computes), then the all-reduce, the optimizer step, rank 0's ``done`` line and the save
 (after a save on notice, ``save`` returns only if the agent withdraws the notice: it
 stops the worker first).
 
 Usage: goodput_train.py [--steps N] [--step-seconds S] [--save-every N] [--tag TAG]
+                        [--checkpoint WAY] [--checkpoint-dir DIR] [--hang-file FILE]
+
+``--hang-file``: local rank 0 looks for FILE after each step; the first to find it takes it
+away and hangs outside any collective (its peers then wait in the next all-reduce), as a
+deadlock in a data loader or a stuck file system does.
 
 Prints ``start tag=TAG rank=R local=L world=W pid=P at=T`` once per worker,
 ``resumed step=N world=W rank=R at=T`` after a load, and, on rank 0, ``done step=N world=W at=T``
@@ -25,8 +30,7 @@ import time
 
 import torch
 import torch.distributed as dist
-
-from rallypoint import checkpoint
+import train_checkpoint
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=1_000_000)
@@ -34,6 +38,9 @@ parser.add_argument("--step-seconds", type=float, default=0.3)
 parser.add_argument("--save-every", type=int, default=1)
 parser.add_argument("--tag", default="")
 parser.add_argument("--hidden", type=int, default=512)
+parser.add_argument("--checkpoint", choices=train_checkpoint.WAYS, default="rallypoint")
+parser.add_argument("--checkpoint-dir", default="checkpoints")
+parser.add_argument("--hang-file", default="")
 args = parser.parse_args()
 
 torch.set_num_threads(1)  # four workers share two cores
@@ -55,13 +62,15 @@ model = torch.nn.Sequential(
 )
 optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
 parameters = list(model.parameters())
+checkpoint = train_checkpoint.open_way(args.checkpoint, args.checkpoint_dir, args.save_every)
 start = 0
-loaded = checkpoint.load_latest()
+loaded = checkpoint.load()
 if loaded is not None:
-    model.load_state_dict(loaded.state["model"])
-    optimizer.load_state_dict(loaded.state["optimizer"])
-    start = loaded.step + 1
-    print(f"resumed step={loaded.step} world={world} rank={rank} at={time.time():.3f}", flush=True)
+    step, state = loaded
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    start = step + 1
+    print(f"resumed step={step} world={world} rank={rank} at={time.time():.3f}", flush=True)
 
 for step in range(start, args.steps):
     began = time.monotonic()
@@ -82,8 +91,15 @@ for step in range(start, args.steps):
     optimizer.zero_grad()
     if rank == 0:  # before the save: a save on notice is the worker's last act
         print(f"done step={step} world={world} at={time.time():.3f}", flush=True)
-    if checkpoint.should_save(step, every=args.save_every):  # every rank asks, every rank saves
-        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-        checkpoint.save(state, step, asynchronous=True)
+    if checkpoint.should_save(step):
+        checkpoint.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, step)
+    if args.hang_file and local == 0 and os.path.exists(args.hang_file):
+        try:
+            os.rename(args.hang_file, f"{args.hang_file}.taken")  # one rank, once
+        except FileNotFoundError:
+            continue
+        print(f"hanging rank={rank} at={time.time():.3f}", flush=True)
+        while True:
+            time.sleep(1)
 checkpoint.wait()
 dist.destroy_process_group()
