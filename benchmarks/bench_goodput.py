@@ -28,8 +28,10 @@ import signal
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +59,10 @@ OPTIONS = {
     "nnodes": ("1:2", "--nnodes of both launchers"),
     "memory": ("64MB", "rallypoint's --checkpoint-memory"),
     "preload": ("", "rallypoint's --preload (empty: none; torch._dynamo comes by itself)"),
+    "hang_at": (
+        0.0,
+        "seconds from the first step when a worker of the second node hangs (0: never)",
+    ),
     "keep": ("", "keep every run's logs and event logs under this directory"),
     "only": (("", *LAUNCHERS), "run one launcher only (for trying things out)"),
 }
@@ -71,6 +77,30 @@ RDZV_CONF = {
 }
 #: Without it torch 2.13 never scales the job from one node to two (benchmarks-recovery.md).
 TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One launcher as the job runs under it: the row's name, the launcher (its command in
+    ``common.LAUNCHERS``), its rendezvous, how the script saves (``train_checkpoint.py``),
+    and what else it needs: its environment, each node's own (a node rank), and a process
+    started first that serves the run on its port (DLRover's job master)."""
+
+    name: str
+    launcher: str
+    backend: str
+    rdzv_conf: str
+    checkpoint: str = "rallypoint"
+    env: Mapping[str, str] = field(default_factory=dict)
+    node_env: Callable[[int, int], dict[str, str]] | None = None
+    helper: Callable[[int, str, Path], subprocess.Popen[bytes]] | None = None
+
+
+LAUNCHES = {
+    name: Launch(name, name, BACKEND[name], RDZV_CONF[name],
+                 env=TORCHRUN_ENV if name == "torchrun" else {})
+    for name in LAUNCHERS
+}  # fmt: skip
 STORE_WAIT = 60.0  # seconds for the first agent (or redis-server) to open the store's port
 TARGET_WAIT = 30.0  # seconds a kill waits for its worker to be running
 START_CAP = 180.0  # seconds from the start for the job's first step
@@ -109,6 +139,9 @@ def schedule(args: argparse.Namespace) -> list[dict[str, Any]]:
         {"at": at, "kind": "node", "node": 1, "signal": "SIGTERM" if k % 2 else "SIGKILL"}
         for k, at in enumerate(nodes)
     ]
+    if args.hang_at:
+        events.append({"at": args.hang_at, "kind": "hang", "node": 1})
+        nodes.append(args.hang_at)
     workers = [a for a in multiples(args.worker_every) if all(abs(a - n) >= QUIET for n in nodes)]
     for k, at in enumerate(workers):
         events.append({"at": at, "kind": "worker", "node": k % 2, "local": k // 2 % 2,
@@ -256,6 +289,70 @@ class Node:
                 agent.exit_code = code if agent.exit_code is None else agent.exit_code
 
 
+SAMPLE_EVERY = 2.0  # seconds between two samples of the launcher's memory
+
+
+class MemorySampler:
+    """The memory of one node's launcher while the run goes: every ``SAMPLE_EVERY`` s, the
+    PSS (a page shared by n processes counted 1/n in each) of its current agent and every
+    process below it but the workers and theirs (rallypoint's preloaded interpreter and
+    memory keeper, ft_launcher's rank monitors count), and of the helper (DLRover's job
+    master, one per job) apart; their median and peak, MB."""
+
+    def __init__(self, node: Node, helper: subprocess.Popen[bytes] | None) -> None:
+        self.node, self.helper = node, helper
+        self.agent: list[float] = []
+        self.helper_mb: list[float] = []
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self.sample, daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def sample(self) -> None:
+        while not self.stopped.wait(SAMPLE_EVERY):
+            if not self.node.agents or self.node.current.process.poll() is not None:
+                continue
+            root = self.node.current.process.pid
+            workers = {pid for pid in descendants(root) if is_worker(pid)}
+            below_workers = {d for pid in workers for d in descendants(pid)}
+            mine = [root, *(p for p in descendants(root) if p not in workers | below_workers)]
+            self.agent.append(sum(pss_kb(pid) for pid in mine) / 1024)
+            if self.helper is not None and self.helper.poll() is None:
+                self.helper_mb.append(pss_kb(self.helper.pid) / 1024)
+
+    def stop(self) -> dict[str, Any]:
+        self.stopped.set()
+        self.thread.join(timeout=CLEANUP_WAIT)
+
+        def summary(values: list[float]) -> dict[str, Any] | None:
+            if not values:
+                return None
+            return {"median_mb": statistics.median(values), "peak_mb": max(values),
+                    "samples": len(values)}  # fmt: skip
+
+        return {"agent": summary(self.agent), "helper": summary(self.helper_mb)}
+
+
+def is_worker(pid: int) -> bool:
+    """Whether ``pid`` runs the training script: its first argument but the interpreter's
+    flags names it (a launcher's processes carry the script further on their lines)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    first = next((a for a in argv[1:] if a and not a.startswith(b"-")), b"")
+    return first.endswith(TRAIN.name.encode())
+
+
+def pss_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as rollup:
+            return next((int(line.split()[1]) for line in rollup if line.startswith("Pss:")), 0)
+    except OSError:
+        return 0
+
+
 def text(path: Path) -> str:
     try:
         return path.read_bytes().decode(errors="replace")
@@ -267,51 +364,64 @@ def text(path: Path) -> str:
 
 
 def commands(
-    launcher: str, args: argparse.Namespace, port: int, run_id: str, ckpt: str
+    launch: Launch, args: argparse.Namespace, port: int, run_id: str, workdir: Path
 ) -> list[str]:
-    # ``port``: the store's, redis-server's for rallypoint, the first agent's for torchrun
-    """The agent command of ``launcher``, ``TAG`` for the node's tag, ``EVENT_LOG`` for
+    # ``port``: the store's, redis-server's for rallypoint on Redis, else the first agent's
+    # (or the helper's)
+    """The agent command of ``launch``, ``TAG`` for the node's tag, ``EVENT_LOG`` for
     the file of its event log."""
     rendezvous = [
         "--nnodes", args.nnodes, "--nproc-per-node", "2", "--max-restarts", "100",
-        "--rdzv-backend", BACKEND[launcher], "--rdzv-endpoint", f"{HOST}:{port}", "--rdzv-id", run_id,
-        "--rdzv-conf", RDZV_CONF[launcher],
+        "--rdzv-backend", launch.backend, "--rdzv-endpoint", f"{HOST}:{port}",
+        "--rdzv-id", run_id, "--rdzv-conf", launch.rdzv_conf,
     ]  # fmt: skip
-    features = []
-    if launcher == "rallypoint":  # warm start is on by default
-        features = ["--checkpoint-memory", args.memory, "--checkpoint-dir", ckpt,
-                    "--event-log", "EVENT_LOG"]  # fmt: skip
-        features += ["--preload", args.preload] if args.preload else []
+    ckpt = str(workdir / "checkpoints")
     script = [str(TRAIN), "--step-seconds", str(args.step_seconds),
-              "--save-every", str(args.save_every), "--tag", "TAG"]  # fmt: skip
-    return [*common.LAUNCHERS[launcher], *rendezvous, *features, *script]
+              "--save-every", str(args.save_every), "--tag", "TAG",
+              "--checkpoint", launch.checkpoint, "--checkpoint-dir", ckpt]  # fmt: skip
+    script += ["--hang-file", str(workdir / "hang-TAG")] if args.hang_at else []
+    features = []
+    if launch.launcher == "rallypoint":  # warm start is on by default
+        features = ["--event-log", "EVENT_LOG"]
+        if launch.checkpoint == "rallypoint":
+            features += ["--checkpoint-memory", args.memory, "--checkpoint-dir", ckpt]
+        features += ["--preload", args.preload] if args.preload else []
+    return [*common.LAUNCHERS[launch.launcher], *rendezvous, *features, *script]
 
 
 def run_once(
-    launcher: str, faults: bool, args: argparse.Namespace, scratch: Path, redis: int
+    launch: Launch, faults: bool, args: argparse.Namespace, scratch: Path, redis: int
 ) -> dict[str, Any]:
     """One run: two nodes of two workers each, started one after the other, trained for
     ``args.seconds`` from their first step, with the failures of ``schedule`` or none;
     then everything killed."""
+    launcher = launch.name
     unique = uuid.uuid4().hex[:10]
     run_id, base = f"bench-goodput-{unique}", f"rpgoodput-{unique}"
-    workdir = scratch / f"{launcher}-{'faults' if faults else 'clean'}-{unique}"
+    workdir = scratch / f"{launcher.replace(' ', '_')}-{'faults' if faults else 'clean'}-{unique}"
     workdir.mkdir()
     ckpt = str(workdir / "checkpoints")
-    port = redis if launcher == "rallypoint" else common.free_port()
-    template = commands(launcher, args, port, run_id, ckpt)
-    env = {**TORCHRUN_ENV, "RALLYPOINT_CHECKPOINT_URL": ckpt} if launcher == "torchrun" else {}
+    port = redis if launch.backend == "redis" else common.free_port()
+    template = commands(launch, args, port, run_id, workdir)
+    env = dict(launch.env)
+    if launch.checkpoint == "rallypoint" and launch.launcher != "rallypoint":
+        env["RALLYPOINT_CHECKPOINT_URL"] = ckpt  # rallypoint.checkpoint's durable directory
     nodes = [
-        Node(i, f"{base}-n{i}", [a.replace("TAG", f"{base}-n{i}") for a in template], env,
-             workdir, launcher == "rallypoint")
+        Node(i, f"{base}-n{i}", [a.replace("TAG", f"{base}-n{i}") for a in template],
+             {**env, **(launch.node_env(port, i) if launch.node_env else {})},
+             workdir, launch.launcher == "rallypoint")
         for i in range(NODES)
     ]  # fmt: skip
     kills: list[dict[str, Any]] = []
+    reapers: list[threading.Thread] = []
     error = None
+    helper = launch.helper(port, run_id, workdir) if launch.helper else None
     began = time.time()
     trained = deadline = began + args.seconds  # until the job's first step says otherwise
+    sampler = MemorySampler(nodes[0], helper)
     try:
         nodes[0].start()
+        sampler.start()
         # torchrun's first agent hosts the c10d store: the second starts once it listens
         # (rallypoint's store, redis-server, is up already).
         while not common.port_open(port) and nodes[0].current.process.poll() is None:
@@ -329,7 +439,7 @@ def run_once(
             time.sleep(max(0.0, trained + planned["at"] - time.time()))
             if time.time() >= deadline:
                 break
-            kills.append(kill(nodes, planned, trained, deadline))
+            kills.append(kill(nodes, planned, trained, deadline, reapers))
             print(f"  {launcher} t={kills[-1].get('at', 0):.1f} s {show_kill(kills[-1])}",
                   flush=True)  # fmt: skip
         time.sleep(max(0.0, deadline - time.time()))
@@ -337,10 +447,16 @@ def run_once(
         error = str(failed)
     finally:
         ended = time.time()
+        memory = sampler.stop()
+        for reaper in reapers:
+            reaper.join(timeout=TERM_WAIT + 2 * CLEANUP_WAIT)
         # Whether an agent gave up before the deadline (torchrun's, say): its exit code.
         exits = [[exit_of(a) for a in node.agents] for node in nodes]
         for node in nodes:
             node.stop()
+        if helper is not None:
+            helper.kill()
+            helper.wait(CLEANUP_WAIT)
         leftovers = common.kill_tagged(base, CLEANUP_WAIT)
         for path in [
             *Path("/dev/shm").glob(f"rallypoint-{run_id}-*"),
@@ -354,15 +470,20 @@ def run_once(
     bounds = [trained + done["at"] for done in happened] + [deadline]
     for index, done in enumerate(happened):
         done.update(after_kill(logs, bounds[index], bounds[index + 1]))
+        if "started_again" in done:  # the node's new agent: when its workers joined
+            new = text(nodes[done["node"]].agents[done.pop("agent")].log)
+            done["seconds_to_rejoin"] = rejoined(logs, new, trained + done["started_again"],
+                                                 bounds[index + 1])  # fmt: skip
     result.update(
         launcher=launcher, faults=faults, seconds=args.seconds, error=error, kills=kills,
         startup_seconds=trained - began if error is None else None,
         starts=[[a.started - trained for a in node.agents] for node in nodes],
         exits=exits,
         leftovers=leftovers, overrun_seconds=ended - deadline,
-        command=shown(nodes[0].command, env, ckpt),
+        command=shown(nodes[0].command, nodes[0].env, ckpt),
+        agent_memory=memory, checkpoint=launch.checkpoint,
     )  # fmt: skip
-    if launcher == "rallypoint":
+    if launch.launcher == "rallypoint":
         result["account"] = accounted(nodes, trained, deadline)
     if not result["steps"]:
         result["log_tail"] = "\n".join(logs.splitlines()[-40:])
@@ -399,21 +520,38 @@ class Failed(Exception):
 
 
 def kill(
-    nodes: list[Node], planned: dict[str, Any], began: float, deadline: float
+    nodes: list[Node],
+    planned: dict[str, Any],
+    began: float,
+    deadline: float,
+    reapers: list[threading.Thread],
 ) -> dict[str, Any]:
-    """Do one failure of the schedule; what was done, and when (seconds from ``began``)."""
+    """Do one failure of the schedule; what was done, and when (seconds from ``began``);
+    the wait for an agent sent SIGTERM goes on in a thread added to ``reapers``."""
     node = nodes[planned["node"]]
     done = dict(planned)
     done["ranks"] = ranks_of(node)
     if planned["kind"] == "node" and planned.get("signal") == "SIGTERM":
         agent, at, pids = node.terminate()
         done["at"] = at - began
-        node.start()  # another process: the new machine starts while the old one stops
-        done.update(node.reap(agent, pids, TERM_WAIT))
+        # another process: the new machine starts while the old one stops
+        done["started_again"] = node.start().started - began
+        done["agent"] = len(node.agents) - 1
+        # Waited for aside: an agent that lingers must not hold up the schedule.
+        reaper = threading.Thread(
+            target=lambda: done.update(node.reap(agent, pids, TERM_WAIT)), daemon=True
+        )
+        reaper.start()
+        reapers.append(reaper)
         return done
     if planned["kind"] == "node":
         done["at"] = node.kill() - began
-        node.start()
+        done["started_again"] = node.start().started - began
+        done["agent"] = len(node.agents) - 1
+        return done
+    if planned["kind"] == "hang":  # its local rank 0 takes the file at its next step's end
+        (node.workdir / f"hang-{node.tag}").touch()
+        done["at"] = time.time() - began
         return done
     wait_until = min(deadline, time.time() + TARGET_WAIT)
     while (pid := node.worker(planned["local"])) is None and time.time() < wait_until:
@@ -438,9 +576,11 @@ def show_kill(done: dict[str, Any]) -> str:
     if done.get("skipped"):
         return f"{done['kind']} kill skipped: {done['skipped']}"
     kind = done.get("signal", "SIGKILL")
+    if done["kind"] == "hang":
+        return f"a worker of node {done['node']} told to hang"
     if done["kind"] == "node":
         shown = f"{kind} node {done['node']} (ranks {sorted(done['ranks'])}), started again"
-        if kind == "SIGTERM":
+        if kind == "SIGTERM" and "left" in done:  # reaped by now
             shown += f"; {agent_exit(done)}"
         return shown
     return f"{kind} worker rank {done.get('rank')} (node {done['node']})"
@@ -459,7 +599,8 @@ def agent_exit(done: dict[str, Any]) -> str:
 
 def shown(command: list[str], env: dict[str, str], ckpt: str) -> str:
     """A command as the page shows it: paths relative, the run's ids as placeholders."""
-    line = " ".join([*(f"{k}={v}" for k, v in env.items()), *command]).replace(ckpt, "DIR")
+    line = " ".join([*(f"{k}={v}" for k, v in env.items()), *command])
+    line = line.replace(ckpt, "DIR").replace(str(Path(ckpt).parent), "WORKDIR")
     line = line.replace(str(BIN) + "/", ".venv/bin/").replace(str(ROOT) + "/", "")
     line = re.sub(r"rpgoodput-\w+-n0", "TAG", line)
     line = re.sub(r"bench-goodput-\w+", "RUN_ID", line)
@@ -499,6 +640,18 @@ def progress(logs: str, began: float, deadline: float, seconds: float) -> dict[s
             "stalls": [[round(a, 2), round(g, 2)] for a, g in gaps if g > STALL * median],
         },
     }
+
+
+def rejoined(logs: str, new: str, started: float, until: float) -> float | None:
+    """Seconds from a node's new agent's start (its output: ``new``) to the job's first
+    step at world 4 once the new agent's workers have started (before ``until``): the node
+    joining. (A preempted node's old workers may still step at world 4 meanwhile.)"""
+    starts = [float(m[4]) for m in START.findall(new)]
+    if not starts:
+        return None
+    joined = [float(t) for _, world, t in DONE.findall(logs) if world == "4"]
+    joined = [t for t in joined if min(starts) < t <= until]
+    return min(joined) - started if joined else None
 
 
 def after_kill(logs: str, at: float, until: float) -> dict[str, Any]:
@@ -573,20 +726,26 @@ def accounted(nodes: list[Node], start: float, deadline: float) -> dict[str, Any
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    launchers = [args.only] if args.only else list(LAUNCHERS)
+    return measure_launches([LAUNCHES[args.only]] if args.only else [*LAUNCHES.values()], args)
+
+
+def measure_launches(
+    launches: list[Launch], args: argparse.Namespace, clean: bool = True
+) -> dict[str, Any]:
+    """Each launch without failures (unless not ``clean``), then with them, in turn
+    (``bench_peers.py`` passes the peers too)."""
     scratch = Path(tempfile.mkdtemp(prefix="rallypoint-bench-goodput-"))
     runs: dict[str, dict[str, Any]] = {}
     redis, redis_port = common.start_redis(STORE_WAIT)
     try:
         # No failures first, then failures, each launcher in turn: the machine's noise
-        # (others' tests) hits both launchers alike.
-        for faults in (False, True):
-            order = launchers if not faults else launchers[::-1]
-            for launcher in order:
-                print(f"{launcher}, {'failures' if faults else 'no failures'}, "
+        # (others' tests) hits every launcher alike.
+        for faults in (False, True) if clean else (True,):
+            for launch in launches if not faults else launches[::-1]:
+                print(f"{launch.name}, {'failures' if faults else 'no failures'}, "
                       f"{args.seconds:.0f} s ...", flush=True)  # fmt: skip
-                run = run_once(launcher, faults, args, scratch, redis_port)
-                runs[f"{launcher}-{'faults' if faults else 'clean'}"] = run
+                run = run_once(launch, faults, args, scratch, redis_port)
+                runs[f"{launch.name}-{'faults' if faults else 'clean'}"] = run
                 print(f"  {run['steps']} steps"
                       + (f"; {run['error']}" if run["error"] else ""), flush=True)  # fmt: skip
     finally:
@@ -594,15 +753,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         redis.wait(CLEANUP_WAIT)
         shutil.rmtree(scratch, ignore_errors=True)
     summary = {}
-    for launcher in launchers:
-        clean, failed = runs[f"{launcher}-clean"], runs[f"{launcher}-faults"]
+    for launcher in (launch.name for launch in launches):
+        failed = runs[f"{launcher}-faults"]
+        unfailed = runs.get(f"{launcher}-clean", {"steps": 0, "pace": None})
         summary[launcher] = {
-            "steps_clean": clean["steps"],
+            "steps_clean": unfailed["steps"] if clean else None,
             "steps_faults": failed["steps"],
-            "goodput": failed["steps"] / clean["steps"] if clean["steps"] else None,
-            "pace_goodput_clean": (clean["pace"] or {}).get("goodput"),
+            "goodput": failed["steps"] / unfailed["steps"] if unfailed["steps"] else None,
+            "pace_goodput_clean": (unfailed["pace"] or {}).get("goodput"),
             "pace_goodput_faults": (failed["pace"] or {}).get("goodput"),
             "by_event": by_event(failed["kills"]),
+            "agent_memory": unfailed.get("agent_memory", failed["agent_memory"])["agent"],
         }
     return {
         "git": common.git_state("core"),
@@ -615,7 +776,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def event_name(event: dict[str, Any]) -> str:
-    """A failure's kind: ``worker SIGKILL``, ``node SIGKILL`` or ``node SIGTERM``."""
+    """A failure's kind: ``worker SIGKILL``, ``node SIGKILL``, ``node SIGTERM`` or
+    ``rank hung``."""
+    if event["kind"] == "hang":
+        return "rank hung"
     return f"{event['kind']} {event.get('signal', 'SIGKILL')}"
 
 
@@ -623,14 +787,17 @@ def by_event(kills: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per kind of failure (``event_name``): how many happened, the steps redone after
     them (in all, of those whose resumed step is known; None: of none), and the mean
     seconds from the signal to a new step (of those that got one; ``never``: how many did
-    not)."""
+    not) and, of a node's, from its start again to the job's first step with it."""
     found: dict[str, dict[str, Any]] = {}
     for done in kills:
         if "at" not in done:
             continue  # skipped
         entry = found.setdefault(
-            event_name(done), {"count": 0, "redone": None, "seconds": [], "never": 0}
+            event_name(done),
+            {"count": 0, "redone": None, "seconds": [], "never": 0, "rejoin": []},
         )
+        if done.get("seconds_to_rejoin") is not None:
+            entry["rejoin"].append(done["seconds_to_rejoin"])
         entry["count"] += 1
         if done.get("redone") is not None:
             entry["redone"] = (entry["redone"] or 0) + done["redone"]
@@ -641,6 +808,8 @@ def by_event(kills: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for entry in found.values():
         seconds = entry.pop("seconds")
         entry["mean_seconds_to_new_step"] = statistics.fmean(seconds) if seconds else None
+        rejoin = entry.pop("rejoin")
+        entry["mean_seconds_to_rejoin"] = statistics.fmean(rejoin) if rejoin else None
     return found
 
 
@@ -663,7 +832,7 @@ def chart(results: dict[str, Any]) -> None:
         style = "-" if run["faults"] else ":"
         label = f"{launcher}, {'failures' if run['faults'] else 'no failures'}: {run['steps']}"
         steps.plot(range(len(run["by_second"])), run["by_second"], style,
-                   color=common.COLORS[launcher], label=label, linewidth=1.6)  # fmt: skip
+                   color=common.COLORS.get(launcher), label=label, linewidth=1.6)  # fmt: skip
     for planned in results["schedule"]:
         node = planned["kind"] == "node"
         color = "#ff7f0e" if planned.get("signal") == "SIGTERM" else "#d62728"
@@ -729,9 +898,7 @@ def render(results: dict[str, Any]) -> dict[str, list[str]]:
     kills = {r["launcher"]: r["kills"] for r in results["runs"].values() if r["faults"]}
     failure_rows = []
     for index, planned in enumerate(results["schedule"]):
-        what = (f"node {planned['node']}" if planned["kind"] == "node"
-                else f"a worker of node {planned['node']}")  # fmt: skip
-        what = f"{planned.get('signal', 'SIGKILL')} {what}"
+        what = failure_words(planned)
         cells = [f"{planned['at']:.0f} s", what]
         for launcher in summary:
             done = kills.get(launcher, [])
@@ -832,7 +999,18 @@ def described(events: list[dict[str, Any]]) -> str:
     parts = [f"a worker SIGKILLed at {', '.join(workers)} s" if workers else "no worker killed"]
     parts.append(f"the second node: {', '.join(nodes)} (each time started again at once)"
                  if nodes else "no node event")  # fmt: skip
+    parts += [f"a worker of the second node hangs at {e['at']:.0f} s"
+              for e in events if e["kind"] == "hang"]  # fmt: skip
     return "; ".join(parts)
+
+
+def failure_words(planned: dict[str, Any]) -> str:
+    """One failure of the schedule, as a table's cell names it."""
+    if planned["kind"] == "hang":
+        return f"a worker of node {planned['node']} hangs"
+    what = (f"node {planned['node']}" if planned["kind"] == "node"
+            else f"a worker of node {planned['node']}")  # fmt: skip
+    return f"{planned.get('signal', 'SIGKILL')} {what}"
 
 
 def saves(every: int) -> str:
