@@ -112,8 +112,10 @@ TERM_WAIT = 60.0
 QUIET = 10.0  # no worker is SIGKILLed within this many seconds of a node's event
 STALL = 3.0  # a gap between two steps over this many median steps is a stall
 DONE = re.compile(r"done step=(\d+) world=(\d+) at=([\d.]+)")
-RESUMED = re.compile(r"resumed step=(\d+) world=\d+ rank=0 at=([\d.]+)")
+#: A load (every rank of a job; a healed group under torchft): the earliest step counts.
+RESUMED = re.compile(r"resumed step=(\d+) world=\d+ rank=\d+ at=([\d.]+)")
 START = re.compile(r"start tag=(\S+) rank=(\d+) local=(\d+) world=\d+ pid=(\d+) at=([\d.]+)")
+HANGING = re.compile(r"hanging rank=\d+ step=(-?\d+) at=([\d.]+)")
 
 
 # --- the schedule -------------------------------------------------------------------------
@@ -380,6 +382,9 @@ def commands(
               "--save-every", str(args.save_every), "--tag", "TAG",
               "--checkpoint", launch.checkpoint, "--checkpoint-dir", ckpt]  # fmt: skip
     script += ["--hang-file", str(workdir / "hang-TAG")] if args.hang_at else []
+    if launch.launcher == "torchft":  # a replica group per worker, under torchrun each
+        groups = ["--groups", "2", "--num-groups", str(2 * NODES), "--max-restarts", "100"]
+        return [*common.LAUNCHERS["torchft"], *groups, *script]
     features = []
     if launch.launcher == "rallypoint":  # warm start is on by default
         features = ["--event-log", "EVENT_LOG"]
@@ -614,6 +619,8 @@ def progress(logs: str, began: float, deadline: float, seconds: float) -> dict[s
     its mean step time but for the stalls (a gap over ``STALL`` times the median step),
     the steps it would have kept at that pace, and the stalls (start, seconds)."""
     done = sorted((float(at), int(step)) for step, _, at in DONE.findall(logs))
+    # One line a step: under torchft every group says it did the step
+    done = [d for i, d in enumerate(done) if i == 0 or d[1] != done[i - 1][1]]
     kept = [(at - began, step + 1) for at, step in done if at <= deadline]
     by_second, reached, index = [], 0, 0
     for second in range(int(seconds) + 1):
@@ -660,17 +667,24 @@ def after_kill(logs: str, at: float, until: float) -> dict[str, Any]:
     step they resumed from, and the seconds until the job did a step it had not done."""
     steps = sorted((float(t), int(step)) for step, _, t in DONE.findall(logs))
     starts = sorted(float(m[4]) for m in START.findall(logs) if at < float(m[4]) <= until)
-    restarted = starts[0] if starts else until
+    # A job may also go on without a restart: torchft's quorum drops a hung replica group,
+    # whose last step (which its peers may print a moment after it hangs) is then the
+    # newest the whole job did.
+    hung = sorted((float(t), int(s)) for s, t in HANGING.findall(logs) if at < float(t) <= until)
+    restarted = starts[0] if starts else hung[0][0] if hung else until
     reached = max((step for t, step in steps if t <= restarted), default=-1)
+    reached = max([reached, *(s for _, s in hung[:1])])
     resumed = [(float(t), int(s)) for s, t in RESUMED.findall(logs) if at < float(t) <= until]
     step = min(resumed)[1] if resumed else None
     new = [t for t, s in steps if restarted < t <= until and s > reached]
+    if step is None and hung and not starts and new:
+        step = reached  # went on in place: the survivors kept their state, loaded none
     return {
         "restarted": bool(starts),
         "reached": reached,
         "resumed": step,
         "redone": None if step is None else max(0, reached - step),
-        "seconds_to_new_step": new[0] - at if starts and new else None,
+        "seconds_to_new_step": new[0] - at if (starts or hung) and new else None,
     }
 
 
@@ -823,6 +837,15 @@ PHASE_COLORS = {
 }  # fmt: skip
 
 
+def mark_schedule(axis: Any, schedule: list[dict[str, Any]]) -> None:
+    """A line at each planned failure: a worker's dashed, a node's solid; SIGTERM orange."""
+    for planned in schedule:
+        node = planned["kind"] == "node"
+        color = "#ff7f0e" if planned.get("signal") == "SIGTERM" else "#d62728"
+        axis.axvline(planned["at"], color=color, alpha=0.6 if node else 0.25,
+                     linewidth=1.5 if node else 0.8, linestyle="-" if node else "--")  # fmt: skip
+
+
 def chart(results: dict[str, Any]) -> None:
     figure, (steps, phases) = common.figure(
         1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1.6, 1]}
@@ -833,11 +856,7 @@ def chart(results: dict[str, Any]) -> None:
         label = f"{launcher}, {'failures' if run['faults'] else 'no failures'}: {run['steps']}"
         steps.plot(range(len(run["by_second"])), run["by_second"], style,
                    color=common.COLORS.get(launcher), label=label, linewidth=1.6)  # fmt: skip
-    for planned in results["schedule"]:
-        node = planned["kind"] == "node"
-        color = "#ff7f0e" if planned.get("signal") == "SIGTERM" else "#d62728"
-        steps.axvline(planned["at"], color=color, alpha=0.6 if node else 0.25,
-                      linewidth=1.5 if node else 0.8, linestyle="-" if node else "--")  # fmt: skip
+    mark_schedule(steps, results["schedule"])
     steps.set_xlabel(
         "seconds from the job's first step (red dashed: a worker SIGKILLed; "
         "solid: a node SIGKILLed, red, or SIGTERMed, orange)"

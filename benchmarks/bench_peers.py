@@ -1,16 +1,17 @@
 """rallypoint beside the launchers users would pick instead: torchrun and each peer of
-``peers.py`` (NVIDIA's ft_launcher, DLRover's dlrover-run) on the same jobs, the same
-failures, in one run; docs/benchmarks-peers.md says how. Three workloads (``--workload``):
+``peers.py`` (NVIDIA's ft_launcher, DLRover's dlrover-run, torchft) on the same jobs, the
+same failures, in one run; docs/benchmarks-peers.md says how. Three workloads (``--workload``):
 
 - ``recovery``: two nodes of two workers (``tests/workers/steps.py``, an all-reduce every
   0.2 s), ``bench_recovery.py``'s runs: one of the second node's workers SIGKILLed (the
   job restarts at world 4), the second node SIGKILLed with its workers (a machine lost)
   and its agent sent SIGTERM (a preemption); for each, the seconds to the survivors' first
   step in the new world, and from the first agent's start to the first step at world 4.
+  Not torchft: its recovery is in the training loop, which that script does not have.
 - ``goodput``: ``bench_goodput.py``'s runs (its training script, saving every step, and
   its schedule: workers SIGKILLed, the second node SIGKILLed and SIGTERMed, each time
   started again), under each launcher with ``torch.save`` and with the launcher's own fast
-  checkpoint where it runs on a CPU; steps kept, steps redone, seconds to a new step and
+  checkpoint where it runs on a CPU (torchft: its live recovery alone); steps kept, steps redone, seconds to a new step and
   to the node's return, and the agent's memory.
 - ``hang``: the same training, one of the second node's workers hanging outside any
   collective; the seconds to a new step, within the run.
@@ -68,8 +69,9 @@ OPTIONS = {
 PEER_RDZV_CONF = {
     "ft_launcher": bench_recovery.RDZV_CONF["torchrun"],
     "dlrover-run": "lastcall_timeout=1",
+    "torchft": "",  # no rendezvous: its Lighthouse forms a quorum at every step
 }
-PEER_COLORS = {"ft_launcher": "#76b900", "dlrover-run": "#e8710a"}
+PEER_COLORS = {"ft_launcher": "#76b900", "dlrover-run": "#e8710a", "torchft": "#9467bd"}
 
 
 def launchers(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -90,10 +92,14 @@ def launchers(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         common.LAUNCHERS[peer.name] = peer.command
         if peer.name == "dlrover-run":
             register_dlrover(peer)
+        if peer.name == "torchft":
+            register_torchft(peer)
         bench_recovery.RDZV_CONF[peer.name] = PEER_RDZV_CONF[peer.name]
         found[peer.name] = {
             "version": f"{peer.distribution} {version}, torch {peer.torch}",
-            "env": dict(bench_recovery.TORCHRUN_WORKAROUND),  # torch's elastic agent too
+            # torch's elastic agent too; but torchft's single-node torchruns, where the
+            # workaround leaves the store its Manager connects to unserved (the page says)
+            "env": {} if peer.name == "torchft" else dict(bench_recovery.TORCHRUN_WORKAROUND),
             "why_torch": peer.why_torch,
         }
     return found
@@ -120,13 +126,44 @@ def register_dlrover(peer: peers.Peer) -> None:
     }
 
 
+def register_torchft(peer: peers.Peer) -> None:
+    """torchft as its README runs it: one Lighthouse per job (``torchft_lighthouse
+    --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000``, on the run's port), and
+    each node's replica groups under a torchrun each (``torchft_node.py``)."""
+
+    def lighthouse(port: int, run_id: str, workdir: Path) -> subprocess.Popen[bytes]:
+        command = [
+            str(peer.home / "bin" / peer.script), "--min_replicas", "1",
+            "--quorum_tick_ms", "100", "--join_timeout_ms", "10000",
+            "--bind", f"{common.HOST}:{port}",
+        ]  # fmt: skip
+        return bench_recovery.start(command, {}, workdir / "lighthouse.log")
+
+    common.LAUNCHERS[peer.name] = [
+        str(peer.home / "bin" / "python"),
+        str(common.ROOT / "benchmarks" / "torchft_node.py"),
+    ]
+    bench_recovery.HELPERS[peer.name] = lighthouse
+    bench_recovery.NODE_ENV[peer.name] = lambda port, node: {
+        "TORCHFT_LIGHTHOUSE": f"http://{common.HOST}:{port}",
+        "NODE_RANK": str(node),
+    }
+
+
 #: Each launcher's own fast checkpoint (``train_checkpoint.py``'s way), besides torch.save.
-FAST = {"rallypoint": "rallypoint", "ft_launcher": "nvidia-local", "dlrover-run": "flash"}
+FAST = {
+    "rallypoint": "rallypoint", "ft_launcher": "nvidia-local", "dlrover-run": "flash",
+    "torchft": "torchft",
+}  # fmt: skip
+#: Launchers measured with their own way alone: under torchft a group that comes back heals
+#: from a live peer and reads no file unless every group is lost, which no run here does.
+OWN_WAY_ONLY = ("torchft",)
 WAY_NAMES = {
     "rallypoint": "memory checkpoint",
     "torch.save": "torch.save",
     "flash": "Flash Checkpoint",
     "nvidia-local": "local checkpointing",
+    "torchft": "live recovery",
 }
 PROBE_WAIT = 180.0  # seconds for a fast checkpoint's trial run
 
@@ -186,11 +223,18 @@ def probe(name: str, way: str) -> str | None:
 
 def measure_goodput(args: argparse.Namespace, found: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """bench_goodput's runs under every launcher: torch.save for each, then its own fast
-    checkpoint where that runs here (a way that does not is said, with its error)."""
+    checkpoint where that runs here (a way that does not is said, with its error);
+    torchft's own way alone."""
     launches, refused = [], {}
     for name in found:
-        for way in ("torch.save", *([FAST[name]] if name in FAST else [])):
-            if way not in ("torch.save", "rallypoint") and (error := probe(name, way)):
+        ways = ([] if name in OWN_WAY_ONLY else ["torch.save"]) + (
+            [FAST[name]] if name in FAST else []
+        )
+        for way in ways:
+            # A trial of a fast checkpoint under a launcher's standalone mode (torchft's
+            # needs its Lighthouse: its runs show what fails)
+            trial = way not in ("torch.save", "rallypoint") and name not in OWN_WAY_ONLY
+            if trial and (error := probe(name, way)):
                 print(f"{name}, {WAY_NAMES[way]}: {error}; left out", flush=True)
                 refused[f"{name}, {WAY_NAMES[way]}"] = error
                 continue
@@ -200,10 +244,11 @@ def measure_goodput(args: argparse.Namespace, found: dict[str, dict[str, Any]]) 
 
 
 def measure_hang(args: argparse.Namespace, found: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """One run per launcher, a worker hanging: rallypoint as it runs by default, the others
-    with torch.save."""
+    """One run per launcher, a worker hanging: rallypoint as it runs by default, torchft
+    with its own way, the others with torch.save."""
     launches = [
-        goodput_launch(name, "rallypoint" if name == "rallypoint" else "torch.save", found)
+        goodput_launch(name, FAST[name] if name in ("rallypoint", *OWN_WAY_ONLY) else "torch.save",
+                       found)
         for name in found
     ]  # fmt: skip
     run = goodput_args(args, seconds=args.hang_seconds, hang_at=args.hang_at,
@@ -221,7 +266,9 @@ def goodput_args(args: argparse.Namespace, **chosen: Any) -> argparse.Namespace:
 
 
 def measure_recovery(args: argparse.Namespace, found: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    names = list(found)
+    # torchft's recovery is in the training loop (its Manager): the recovery runs' script
+    # has none, and the goodput runs measure it under the same failures.
+    names = [name for name in found if name not in OWN_WAY_ONLY]
     results: dict[str, Any] = {"repeat": args.repeat, "failures": {}}
     for kill, title in FAILURES.items():
         if args.only_failure and kill != args.only_failure:
@@ -263,8 +310,14 @@ def chart(results: dict[str, Any]) -> None:
         chart_goodput(results["goodput"])
 
 
+def recovery_names(results: dict[str, Any]) -> list[str]:
+    """The launchers of the recovery runs (torchft has none), in the results' order."""
+    failures = list(results["recovery"]["failures"].values())
+    return [name for name in results["launchers"] if name in failures[0]["summary"]]
+
+
 def chart_recovery(results: dict[str, Any]) -> None:
-    names = list(results["launchers"])
+    names = recovery_names(results)
     failures = results["recovery"]["failures"]
     figure, axes = common.figure(1, len(failures), figsize=(10.5, 3.2), sharey=True)
     for axis, failure in zip(axes, failures.values(), strict=True):
@@ -295,15 +348,11 @@ def chart_goodput(part: dict[str, Any]) -> None:
         if not run["faults"]:
             continue
         launcher = run["launcher"].partition(",")[0]
-        style = "-" if run["checkpoint"] in ("rallypoint", "flash") else "--"
+        style = "--" if run["checkpoint"] == "torch.save" else "-"
         axis.plot(range(len(run["by_second"])), run["by_second"], style,
                   color=common.COLORS.get(launcher, "#999999"),
                   label=f"{run['launcher']}: {run['steps']}", linewidth=1.5)  # fmt: skip
-    for planned in part["schedule"]:
-        node = planned["kind"] == "node"
-        color = "#ff7f0e" if planned.get("signal") == "SIGTERM" else "#d62728"
-        axis.axvline(planned["at"], color=color, alpha=0.6 if node else 0.25,
-                     linewidth=1.5 if node else 0.8, linestyle="-" if node else "--")  # fmt: skip
+    bench_goodput.mark_schedule(axis, part["schedule"])
     axis.set_xlabel(
         "seconds from the job's first step (red dashed: a worker SIGKILLed; solid: the "
         "second node SIGKILLed, red, or SIGTERMed, orange; each time started again)"
@@ -337,7 +386,7 @@ def render(results: dict[str, Any]) -> dict[str, list[str]]:
         ]
     }
     if "recovery" in results:
-        blocks |= render_recovery(results["recovery"], list(results["launchers"]))
+        blocks |= render_recovery(results["recovery"], recovery_names(results))
     if "goodput" in results:
         blocks |= render_goodput(results["goodput"])
     if "hang" in results:
@@ -391,7 +440,7 @@ def render_recovery(part: dict[str, Any], names: list[str]) -> dict[str, list[st
 
 
 #: The process a launcher's job needs besides the agents, as the notes name it.
-HELPERS = {"dlrover-run": "DLRover's job master"}
+HELPERS = {"dlrover-run": "DLRover's job master", "torchft": "torchft's Lighthouse"}
 #: The goodput row every other is compared with: rallypoint as it runs by default.
 OURS = "rallypoint, memory checkpoint"
 KINDS = ("worker SIGKILL", "node SIGKILL", "node SIGTERM")

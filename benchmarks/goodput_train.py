@@ -29,7 +29,6 @@ import os
 import time
 
 import torch
-import torch.distributed as dist
 import train_checkpoint
 
 parser = argparse.ArgumentParser()
@@ -44,9 +43,8 @@ parser.add_argument("--hang-file", default="")
 args = parser.parse_args()
 
 torch.set_num_threads(1)  # four workers share two cores
-dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
-local = int(os.environ.get("LOCAL_RANK", "0"))
+way = train_checkpoint.open_way(args.checkpoint, args.checkpoint_dir, args.save_every)
+rank, local, world = way.join()
 print(
     f"start tag={args.tag} rank={rank} local={local} world={world} pid={os.getpid()} "
     f"at={time.time():.3f}",
@@ -62,17 +60,20 @@ model = torch.nn.Sequential(
 )
 optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
 parameters = list(model.parameters())
-checkpoint = train_checkpoint.open_way(args.checkpoint, args.checkpoint_dir, args.save_every)
-start = 0
-loaded = checkpoint.load()
+way.bind(model, optimizer)
+step = 0
+loaded = way.load()
 if loaded is not None:
-    step, state = loaded
+    done, state = loaded
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    start = step + 1
-    print(f"resumed step={step} world={world} rank={rank} at={time.time():.3f}", flush=True)
+    step = done + 1
+    print(f"resumed step={done} world={world} rank={rank} at={time.time():.3f}", flush=True)
 
-for step in range(start, args.steps):
+while step < args.steps:
+    step = way.begin(step)
+    if (healed := way.healed()) is not None:
+        print(f"resumed step={healed} world={world} rank={rank} at={time.time():.3f}", flush=True)
     began = time.monotonic()
     generator = torch.Generator().manual_seed(step * 1000 + rank)
     batch = torch.randn(64, 256, generator=generator)
@@ -80,26 +81,28 @@ for step in range(start, args.steps):
     loss.backward()
     time.sleep(max(0.0, began + args.step_seconds - time.monotonic()))
     flat = torch.cat([p.grad.flatten() for p in parameters])  # type: ignore[union-attr]
-    dist.all_reduce(flat)
-    flat /= world
+    world = way.average(flat)
     offset = 0
     for p in parameters:
         assert p.grad is not None
         p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
         offset += p.numel()
-    optimizer.step()
+    if way.commit():
+        optimizer.step()
+        if way.reports(rank):  # before the save: a save on notice is the worker's last act
+            print(f"done step={step} world={world} at={time.time():.3f}", flush=True)
+        if way.should_save(step):
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+            way.save(state, step)
+        step += 1
     optimizer.zero_grad()
-    if rank == 0:  # before the save: a save on notice is the worker's last act
-        print(f"done step={step} world={world} at={time.time():.3f}", flush=True)
-    if checkpoint.should_save(step):
-        checkpoint.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, step)
     if args.hang_file and local == 0 and os.path.exists(args.hang_file):
         try:
             os.rename(args.hang_file, f"{args.hang_file}.taken")  # one rank, once
         except FileNotFoundError:
             continue
-        print(f"hanging rank={rank} at={time.time():.3f}", flush=True)
+        print(f"hanging rank={rank} step={step - 1} at={time.time():.3f}", flush=True)
         while True:
             time.sleep(1)
-checkpoint.wait()
-dist.destroy_process_group()
+way.wait()
+way.leave()

@@ -70,6 +70,14 @@ PEERS = (
             "before it (PyPI's build, which runs on the CPU too)"
         ),
     ),
+    Peer(
+        "torchft",
+        ("torchft",),
+        "torchft",
+        # Not a launcher: each replica group runs under torchrun, beside one Lighthouse.
+        "torchft_lighthouse",
+        "https://github.com/pytorch/torchft#running",
+    ),
 )
 
 
