@@ -106,10 +106,11 @@ def test_a_killed_agent_lease_expires_and_the_survivor_trains_alone(
 
 def test_a_third_node_joins_a_running_job(etcd_server: EtcdServer, tmp_path: Path) -> None:
     logs = [tmp_path / f"node{i}.log" for i in range(3)]
-    # 12 s of training at world size 2: the third agent gets ready beside the job (imports
-    # torch) and joins within that window even on a loaded 2-core machine, where its start
-    # competes with the other tests' processes (4 s in one such run).
-    script = (worker("steps.py"), "12", str(tmp_path))
+    # The job trains until the third node is in: a job of a fixed length ended before it
+    # on a loaded 2-core machine (its agent took 6 s to start, then 8 s to import torch),
+    # and it then started a job of its own.
+    stop = tmp_path / "stop"
+    script = (worker("train_until.py"), str(stop))
     agents = [
         start_agent(etcd_server.endpoint, "1:3", *script, log=log, nproc=1) for log in logs[:2]
     ]
@@ -117,6 +118,7 @@ def test_a_third_node_joins_a_running_job(etcd_server: EtcdServer, tmp_path: Pat
         wait_for_text(logs[0], "world=2 sum=2", WAIT)
         agents.append(start_agent(etcd_server.endpoint, "1:3", *script, log=logs[2], nproc=1))
         wait_for_text(logs[2], "world=3 sum=3", WAIT)
+        stop.touch()
     finally:
         finish(agents, logs)
     for log in logs:

@@ -111,13 +111,17 @@ def test_a_killed_agent_expires_and_the_survivor_trains_on(
 def test_a_node_joining_a_running_job_scales_it_up(redis: RedisServer, tmp_path: Path) -> None:
     endpoint = f"127.0.0.1:{redis.port}"
     first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
-    # Long enough for the second node to get ready beside the job (import torch) and join.
-    script = [worker("steps.py"), "12", str(tmp_path)]
+    # The job trains until the second node is in, however long its start takes (a job of a
+    # fixed length may end before it on a loaded machine).
+    stop = tmp_path / "stop"
+    script = [worker("train_until.py"), str(stop)]
     first = start_agent(endpoint, "job", "1:2", *script, log=first_log)
     second = None
     try:
         wait_for_text(first_log, "world=2 sum=2")
         second = start_agent(endpoint, "job", "1:2", *script, log=second_log)
+        wait_for_text(second_log, "world=4 sum=4")
+        stop.touch()
         assert first.wait(timeout=120) == 0, first_log.read_text()
         assert second.wait(timeout=120) == 0, second_log.read_text()
     finally:
