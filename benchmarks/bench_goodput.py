@@ -67,6 +67,7 @@ OPTIONS = {
     "only": (("", *LAUNCHERS), "run one launcher only (for trying things out)"),
 }
 NODES = 2
+NPROC = 2  # workers per node
 #: rallypoint on Redis, a store of its own (the job survives the loss of any node, and the
 #: agent needs no torch to start); torchrun on c10d, hosted by the first node's agent.
 BACKEND = {"rallypoint": "redis", "torchrun": "c10d"}
@@ -373,7 +374,7 @@ def commands(
     """The agent command of ``launch``, ``TAG`` for the node's tag, ``EVENT_LOG`` for
     the file of its event log."""
     rendezvous = [
-        "--nnodes", args.nnodes, "--nproc-per-node", "2", "--max-restarts", "100",
+        "--nnodes", args.nnodes, "--nproc-per-node", str(NPROC), "--max-restarts", "100",
         "--rdzv-backend", launch.backend, "--rdzv-endpoint", f"{HOST}:{port}",
         "--rdzv-id", run_id, "--rdzv-conf", launch.rdzv_conf,
     ]  # fmt: skip
@@ -383,7 +384,9 @@ def commands(
               "--checkpoint", launch.checkpoint, "--checkpoint-dir", ckpt]  # fmt: skip
     script += ["--hang-file", str(workdir / "hang-TAG")] if args.hang_at else []
     if launch.launcher == "torchft":  # a replica group per worker, under torchrun each
-        groups = ["--groups", "2", "--num-groups", str(2 * NODES), "--max-restarts", "100"]
+        groups = [
+            "--groups", str(NPROC), "--num-groups", str(NPROC * NODES), "--max-restarts", "100",
+        ]  # fmt: skip
         return [*common.LAUNCHERS["torchft"], *groups, *script]
     features = []
     if launch.launcher == "rallypoint":  # warm start is on by default
@@ -656,7 +659,7 @@ def rejoined(logs: str, new: str, started: float, until: float) -> float | None:
     starts = [float(m[4]) for m in START.findall(new)]
     if not starts:
         return None
-    joined = [float(t) for _, world, t in DONE.findall(logs) if world == "4"]
+    joined = [float(t) for _, world, t in DONE.findall(logs) if world == str(NPROC * NODES)]
     joined = [t for t in joined if min(starts) < t <= until]
     return min(joined) - started if joined else None
 

@@ -11,8 +11,8 @@ same failures, in one run; docs/benchmarks-peers.md says how. Three workloads (`
 - ``goodput``: ``bench_goodput.py``'s runs (its training script, saving every step, and
   its schedule: workers SIGKILLed, the second node SIGKILLed and SIGTERMed, each time
   started again), under each launcher with ``torch.save`` and with the launcher's own fast
-  checkpoint where it runs on a CPU (torchft: its live recovery alone); steps kept, steps redone, seconds to a new step and
-  to the node's return, and the agent's memory.
+  checkpoint where it runs on a CPU (torchft: its live recovery alone); steps kept, steps
+  redone, seconds to a new step and to the node's return, and the agent's memory.
 - ``hang``: the same training, one of the second node's workers hanging outside any
   collective; the seconds to a new step, within the run.
 

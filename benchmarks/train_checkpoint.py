@@ -42,6 +42,9 @@ class Way:
     """The step as every launcher but torchft runs it: torch's process group of the job,
     the gradients averaged by an all-reduce, every step committed."""
 
+    def __init__(self, directory: str, every: int) -> None:
+        """``directory``: where it saves; ``every``: how many steps apart."""
+
     def join(self) -> tuple[int, int, int]:
         """This worker's rank, local rank and the world's size."""
         dist.init_process_group("gloo")
@@ -257,7 +260,7 @@ class TorchFT(Way):
 
 
 def open_way(way: str, directory: str, every: int) -> Way:
-    kinds: dict[str, type[Rallypoint | TorchSave | Flash | NvidiaLocal | TorchFT]] = {
+    kinds: dict[str, type[Way]] = {
         "rallypoint": Rallypoint, "torch.save": TorchSave, "flash": Flash,
         "nvidia-local": NvidiaLocal, "torchft": TorchFT,
     }  # fmt: skip
